@@ -32,7 +32,10 @@ def test_probe_learns_the_labels_from_baked_features(tmp_path: Path) -> None:
     assert "baked 48 clips (0 reused)" in out
     accuracy = float(re.search(r"^accuracy: ([\d.]+)$", out, re.MULTILINE).group(1))  # type: ignore[union-attr]
     assert accuracy >= 0.9, out
-    again = run_example("probe.py", "--clips", 48, "--epochs", 1, "--work", tmp_path)
+    # The rerun tells only its reuse: no DataLoader workers to start for it.
+    again = run_example(
+        "probe.py", "--clips", 48, "--epochs", 1, "--workers", 0, "--work", tmp_path
+    )
     assert "baked 0 clips (48 reused)" in again
 
 

@@ -21,8 +21,11 @@ policy), and outputs are named by :mod:`featbake.encode.outputs`' one rule.
 from __future__ import annotations
 
 import hashlib
+import importlib.abc
+import importlib.util
 import multiprocessing.util as mp_util
 import os
+import sys
 import threading
 import time
 import warnings
@@ -1080,9 +1083,8 @@ class _RunHook:
     def __init__(self, watch: weakref.ref[ModuleWatch], began: bool) -> None:
         self.watch, self.began = watch, began
 
-    # Run as it is under torch.compile: dynamo tracing it would break the graph at each
-    # tensor it reads (a CRC kernel it cannot trace), to the same end.
-    @torch.compiler.disable
+    # Run as it is under torch.compile (see _untraced_when_dynamo_loads): dynamo tracing it
+    # would break the graph at each tensor it reads (a CRC kernel it cannot trace).
     def __call__(self, module: nn.Module, *args: Any) -> None:
         watch = self.watch()
         if watch is not None:
@@ -1090,6 +1092,42 @@ class _RunHook:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_no_hook, ())
+
+
+class _UntracedWhenDynamoLoads(importlib.abc.MetaPathFinder):
+    """Marks :class:`_RunHook`'s call ``torch.compiler.disable`` once ``torch._dynamo`` is
+    loaded (at once if it is): marking it at import loaded dynamo in every process that imports
+    featbake (a spawned DataLoader worker, a CLI command), as long as torch's own import, for
+    a tracing that only a process which loads dynamo does."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)  # the import below finds the module itself
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        load = loader.exec_module
+
+        def load_then_mark(module: Any) -> None:
+            load(module)
+            _mark_untraced()
+
+        loader.exec_module = load_then_mark
+        return spec
+
+
+def _mark_untraced() -> None:
+    call = _RunHook.__call__
+    if not getattr(call, "_torchdynamo_disable", False):
+        _RunHook.__call__ = torch.compiler.disable(call)  # type: ignore[method-assign]
+
+
+if "torch._dynamo" in sys.modules:
+    _mark_untraced()
+else:
+    sys.meta_path.insert(0, _UntracedWhenDynamoLoads())
 
 
 def _no_hook() -> Callable[..., None]:

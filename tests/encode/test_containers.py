@@ -837,22 +837,25 @@ def test_dataloader_workers_encode_misses_from_a_table_and_a_shard(
     tmp_path: Path, encoder_file: Path, context: str
 ) -> None:
     """Misses decoded in DataLoader workers (forked, or the dataset pickled to spawned ones):
-    each reads its container itself."""
-    from torch.utils.data import DataLoader
+    each reads its container itself (the table's and the shard's datasets in one worker)."""
+    from torch.utils.data import ConcatDataset, DataLoader
 
     clips = [wav_bytes(0.3 + 0.05 * i, i) for i in range(6)]
     table = write_audio_parquet(tmp_path / "a.parquet", list(clips))
     tar = write_tar(tmp_path / "a.tar", [(f"u{i}", {"wav": c}) for i, c in enumerate(clips)])
     with torchscript_quietly():
         module = torch.jit.load(str(encoder_file))
+    both = []
     for data in (table, tar):
         with pytest.warns(UserWarning, match="no featbake store"):
-            ds = CachedFeatureDataset(data, encoder_file, cache=tmp_path / f"s-{data.name}")
-        loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
-        got = list(loader)
-        assert len(got) == len(clips)
-        for x, clip in zip(got, clips, strict=True):
-            assert torch.equal(x, run_now(module, audio_tensor(clip)))
+            both.append(CachedFeatureDataset(data, encoder_file, cache=tmp_path / f"s-{data.name}"))
+    loader = DataLoader(
+        ConcatDataset(both), batch_size=None, num_workers=1, multiprocessing_context=context
+    )
+    got = list(loader)
+    assert len(got) == 2 * len(clips)
+    for x, clip in zip(got, clips + clips, strict=True):
+        assert torch.equal(x, run_now(module, audio_tensor(clip)))
 
 
 def test_a_forked_child_reads_a_table_through_a_parquet_file_of_its_own(tmp_path: Path) -> None:
@@ -1267,7 +1270,7 @@ def test_a_bucket_table_and_shard_in_the_cli_and_in_dataloader_workers(
             ds = CachedFeatureDataset(
                 f"{folder}/{name}", encoder_file, cache=tmp_path / f"l-{name}"
             )
-        got = list(DataLoader(ds, batch_size=None, num_workers=2))
+        got = list(DataLoader(ds, batch_size=None, num_workers=1))
         assert len(got) == len(clips)
         for x, clip in zip(got, clips, strict=True):
             assert torch.equal(x, run_now(module, audio_tensor(clip)))

@@ -588,7 +588,7 @@ def test_dataloader_workers_decode_bucket_rows_with_objects_of_their_own(
     objects = ds._misses.source.objects  # type: ignore[attr-defined]
     with held_by_a_thread(objects.lock):  # a thread inside the held bytes' lock at the fork
         loader = DataLoader(
-            ds, batch_size=None, num_workers=2, multiprocessing_context=context, timeout=30
+            ds, batch_size=None, num_workers=1, multiprocessing_context=context, timeout=30
         )
         got = list(loader)
     local = {"recA": corpus / "wavs" / "recA.wav", "recB": corpus / "wavs" / "recB.flac"}
@@ -656,12 +656,21 @@ def test_a_manifest_of_a_folders_objects_lists_it_and_heads_only_the_missing_row
 
 
 def test_two_rows_of_a_folder_of_thousands_are_two_heads_not_its_listing(
-    s3: S3, tmp_path: Path, encoder_file: Path, store_dir: Path
+    s3: S3, tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two rows in a folder of 3,002 objects: two HEADs (concurrent), not the folder's three
-    LIST pages; the features are the encoder's now."""
+    LIST pages; the features are the encoder's now. (Here 302 objects in LIST pages of 100:
+    three pages still, a tenth of the objects to put.)"""
+    from featbake.store.objects import S3Objects
+
+    real = S3Objects.list_page
+
+    def hundreds(self: S3Objects, prefix: str, after: str = "", **kw: Any) -> Any:
+        return real(self, prefix, after, **{**kw, "keys": 100})
+
+    monkeypatch.setattr(S3Objects, "list_page", hundreds)
     bucket = ObjectStore(BucketURL.parse(f"s3://{s3.bucket}/crowd"))
-    put_many(bucket, [f"n{i:05d}.bin" for i in range(3_000)])
+    put_many(bucket, [f"n{i:05d}.bin" for i in range(300)])
     clips = write_audio_folder(tmp_path / "clips", 2, seconds=0.3, seed=6)
     for clip, name in zip(clips, ("a.wav", "z.wav"), strict=True):
         bucket.upload(name, clip)

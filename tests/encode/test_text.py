@@ -435,7 +435,7 @@ def test_dataloader_workers_encode_texts_equal_to_transformers(
         ds = CachedFeatureDataset(
             texts, encoder=bert.folder, cache=tmp_path / "store", source="text"
         )
-    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
+    loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context=context)
     for i, got in enumerate(loader):
         want = transformers_outputs(bert, Path(ds.path(i)).read_text(encoding="utf-8"))
         assert set(got) == set(want.parts)

@@ -285,6 +285,7 @@ from featbake.encode.sources import source_for
 from featbake.errors import EncoderLoadError
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
+from featbake.testing import TinyConvEncoder
 
 
 class Enc(torch.nn.Module):  # a class of the script run: __mp_main__'s in a spawned worker
@@ -295,6 +296,10 @@ class Enc(torch.nn.Module):  # a class of the script run: __mp_main__'s in a spa
 
     def forward(self, wav):
         return self.conv(wav.unsqueeze(1)).transpose(1, 2)
+
+
+def pre(module, args):  # a hook of the script run: __mp_main__'s in a spawned worker
+    return (args[0] * 2.0,)
 
 
 if __name__ == "__main__":
@@ -315,20 +320,34 @@ if __name__ == "__main__":
         list(DataLoader(again, **spawn))
     except EncoderLoadError as e:
         print("refused:", str(e).splitlines()[-1][:120])
+    hooked = TinyConvEncoder().eval()  # :func:`test_a_refusal_in_a_spawned_worker_names_...`
+    hooked.register_forward_pre_hook(pre)
+    ds = CachedFeatureDataset(data, hooked, cache=store.parent / "hooked")
+    hooked.conv2.dilation = (2,)  # the real change: a plain attribute, no hook
+    try:
+        list(DataLoader(ds, **spawn))
+    except Exception as e:
+        print("hooked:", str(e).splitlines()[-1])
 """
 
 
 def test_a_module_of_the_script_encodes_misses_in_spawned_workers_until_it_changes(
-    tmp_path: Path,
+    spawned_misses: list[str],
 ) -> None:
     """The change check of an in-process module must not take a spawned worker's copy for a
     change: there a class of the script run is ``__mp_main__``'s, and hashing its identity
     again gave another fingerprint, so every miss in a spawned worker was refused. The copy is
     checked when it is pickled and trusted where it lands; a module changed before the workers
     started is refused there."""
-    lines = script_lines(tmp_path, SPAWNED_MISSES, clips=3)
+    lines = spawned_misses
     assert lines[0] == "served 3", lines
     assert lines[1].startswith("refused: ") and "changed" in lines[1], lines
+
+
+@pytest.fixture(scope="module")
+def spawned_misses(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The lines :data:`SPAWNED_MISSES` prints, run once for the tests of spawned workers."""
+    return script_lines(tmp_path_factory.mktemp("spawned"), SPAWNED_MISSES, clips=3)
 
 
 def _fresh_dataset(data: Path, encoder: Any, store: Path) -> CachedFeatureDataset:
@@ -1289,55 +1308,17 @@ def test_a_hooks_source_file_edited_on_disk_is_no_change_of_a_moved_module(
         sys.modules.pop("serve9_review_hooks", None)
 
 
-_SPAWNED_HOOKED = """
-import sys, warnings
-from pathlib import Path
-from torch.utils.data import DataLoader
-from featbake.serve.dataset import CachedFeatureDataset
-from featbake.testing import TinyConvEncoder
-
-
-def pre(module, args):
-    return (args[0] * 2.0,)
-
-
-if __name__ == "__main__":
-    warnings.simplefilter("ignore")
-    module = TinyConvEncoder().eval()
-    module.register_forward_pre_hook(pre)
-    ds = CachedFeatureDataset(Path(sys.argv[1]), module, cache=Path(sys.argv[2]))
-    module.conv2.dilation = (2,)  # the real change: a plain attribute, no hook
-    loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn")
-    try:
-        list(loader)
-    except Exception as e:
-        print(str(e).splitlines()[-1])
-"""
-
-
 def test_a_refusal_in_a_spawned_worker_names_the_change_not_a_hook(
-    tmp_path: Path, audio_dir: Path
+    spawned_misses: list[str],
 ) -> None:
     """In a spawned worker a hook of the script run reads as ``__mp_main__``'s, so serve9.5
     named any change of a hooked module "a forward hook was added or removed": what changed
-    is told where the dataset was pickled, and carried."""
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "spawned.py"
-    script.write_text(_SPAWNED_HOOKED)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    out = subprocess.run(
-        [sys.executable, str(script), str(audio_dir), str(tmp_path / "s")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=True,
-    ).stdout
-    assert "changed since this dataset was created" in out
-    assert "forward hook" not in out
+    is told where the dataset was pickled, and carried (the last case of
+    :data:`SPAWNED_MISSES`: a pre-hook of the script's, a plain attribute changed)."""
+    out = [line for line in spawned_misses if line.startswith("hooked: ")]
+    assert len(out) == 1, spawned_misses
+    assert "changed since this dataset was created" in out[0]
+    assert "forward hook" not in out[0]
 
 
 def _device_probe(monkeypatch: pytest.MonkeyPatch) -> None:

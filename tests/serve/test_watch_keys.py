@@ -539,9 +539,14 @@ def test_a_global_module_edited_behind_its_version_counters_is_never_served_stal
     torch.testing.assert_close(fresh[0], _live(b, fresh.path(0)))  # another key: not the stored
 
 
-#: A spawned DataLoader worker imports the script anew: a module-level adapter whose weights
-#: the script loads in ``main()`` is there as the import made it, not as the dataset keyed it.
-SPAWNED_ADAPTER = """
+#: A training script whose spawned DataLoader workers import it anew, run once for the four
+#: cases below (one process starting a worker per case, not a process per case): each case
+#: prints its lines, prefixed by its name. ``ScriptAdapter`` is a class of the script run
+#: (``__mp_main__``'s in a worker); ``ADAPTER``'s weights and ``SETTINGS`` are set at import,
+#: so a worker reads what the dataset's keys were made with unless ``main()`` changes them.
+#: ``PLAIN`` is a module-level adapter made before any seed (other weights in each process)
+#: whose checkpoint ``main()`` loads: in a worker it is as the import made it.
+SPAWNED_CASES = """
 import sys, warnings
 from pathlib import Path
 import torch
@@ -552,55 +557,7 @@ from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import TinyConvEncoder
 
-ADAPTER = torch.nn.Linear(64, 64)  # main() loads its checkpoint
-
-
-def adapted(module, args, output):
-    return output + ADAPTER(output)
-
-
-def main():
-    warnings.simplefilter("ignore")
-    data, store = Path(sys.argv[1]), Path(sys.argv[2])
-    with torch.no_grad():
-        ADAPTER.weight.mul_(3.0)  # the checkpoint's weights
-    module = TinyConvEncoder().eval()
-    module.register_forward_hook(adapted)
-    ds = CachedFeatureDataset(data, module, cache=store)
-    spawn = dict(batch_size=None, num_workers=1, multiprocessing_context="spawn")
-    try:
-        for i, item in enumerate(DataLoader(ds, **spawn)):
-            with torch.inference_mode():
-                want = module(source_for(Recipe()).load(Path(ds.path(i))).unsqueeze(0))[0]
-            print("served", i, "same" if torch.allclose(item, want) else "OTHER")
-    except EncoderLoadError as e:
-        print("refused:", str(e).splitlines()[-1][:160])
-
-
-if __name__ == "__main__":
-    main()
-"""
-
-
-def test_a_spawned_worker_never_serves_another_global_adapters_features(tmp_path: Path) -> None:
-    lines = script_lines(tmp_path, SPAWNED_ADAPTER)
-    assert lines and all(line.endswith("same") or line.startswith("refused:") for line in lines), (
-        lines
-    )
-
-
-#: A script whose hook reads a settings dict and runs an adapter of the script's own class;
-#: each case sets them at import (``AT_IMPORT``) or in main() (``IN_MAIN``).
-SPAWNED_HOOK_READS = """
-import sys, warnings
-from pathlib import Path
-import torch
-from torch.utils.data import DataLoader
-from featbake.encode.sources import source_for
-from featbake.errors import EncoderLoadError
-from featbake.recipe import Recipe
-from featbake.serve.dataset import CachedFeatureDataset
-from featbake.testing import TinyConvEncoder
+PLAIN = torch.nn.Linear(64, 64)  # main() loads its checkpoint
 
 
 class ScriptAdapter(torch.nn.Linear):  # a class of the script run: __mp_main__'s in a worker
@@ -610,32 +567,50 @@ class ScriptAdapter(torch.nn.Linear):  # a class of the script run: __mp_main__'
 torch.manual_seed(0)
 ADAPTER = ScriptAdapter(64, 64)
 SETTINGS = {"gain": 1.0}
-AT_IMPORT
+with torch.no_grad():
+    ADAPTER.weight.mul_(3.0)
+SETTINGS["gain"] = 3.0
 
 
 def adapted(module, args, output):
     return output * SETTINGS["gain"] + ADAPTER(output)
 
 
+def plain_adapted(module, args, output):
+    return output + PLAIN(output)
+
+
 def everywhere(module, args, output):
     return output * 2.0 if isinstance(module, TinyConvEncoder) else None
 
 
-def main():
-    warnings.simplefilter("ignore")
-    data, store = Path(sys.argv[1]), Path(sys.argv[2])
-    IN_MAIN
+def serve(case, hook, data, store):
     module = TinyConvEncoder().eval()
-    module.register_forward_hook(adapted)
-    ds = CachedFeatureDataset(data, module, cache=store)
+    module.register_forward_hook(hook)
+    ds = CachedFeatureDataset(data, module, cache=store / case)
     spawn = dict(batch_size=None, num_workers=1, multiprocessing_context="spawn")
     try:
         for i, item in enumerate(DataLoader(ds, **spawn)):
             with torch.inference_mode():
                 want = module(source_for(Recipe()).load(Path(ds.path(i))).unsqueeze(0))[0]
-            print("served", i, "same" if torch.allclose(item, want) else "OTHER")
+            print(case, "served", i, "same" if torch.allclose(item, want) else "OTHER")
     except EncoderLoadError as e:
-        print("refused:", str(e).splitlines()[-1])
+        print(case, "refused:", str(e).splitlines()[-1])
+
+
+def main():
+    warnings.simplefilter("ignore")
+    data, store = Path(sys.argv[1]), Path(sys.argv[2])
+    serve("import-set", adapted, data, store)
+    SETTINGS["gain"] = 5.0
+    serve("setting-set-in-main", adapted, data, store)
+    SETTINGS["gain"] = 3.0
+    handle = torch.nn.modules.module.register_module_forward_hook(everywhere)
+    serve("process-wide-hook-registered-in-main", adapted, data, store)
+    handle.remove()
+    with torch.no_grad():
+        PLAIN.weight.mul_(3.0)  # the checkpoint's weights
+    serve("global-adapter-loaded-in-main", plain_adapted, data, store)
 
 
 if __name__ == "__main__":
@@ -643,30 +618,44 @@ if __name__ == "__main__":
 """
 
 
-def _run_spawned(tmp_path: Path, at_import: str, in_main: str) -> list[str]:
-    """The lines :data:`SPAWNED_HOOK_READS` prints with ``at_import`` and ``in_main`` set."""
-    text = SPAWNED_HOOK_READS.replace("AT_IMPORT", at_import)
-    return script_lines(tmp_path, text.replace("IN_MAIN", in_main))
+@pytest.fixture(scope="module")
+def spawned_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    """Each case's lines (its name taken off) of :data:`SPAWNED_CASES`, run once."""
+    lines = script_lines(tmp_path_factory.mktemp("spawned"), SPAWNED_CASES)
+    cases: dict[str, list[str]] = {}
+    for line in lines:
+        case, _, rest = line.partition(" ")
+        cases.setdefault(case, []).append(rest)
+    return cases
+
+
+def test_a_spawned_worker_never_serves_another_global_adapters_features(
+    spawned_cases: dict[str, list[str]],
+) -> None:
+    lines = spawned_cases.get("global-adapter-loaded-in-main", [])
+    assert lines and all(line.endswith("same") or line.startswith("refused:") for line in lines), (
+        lines
+    )
 
 
 @pytest.mark.parametrize(
-    ("in_main", "named"),
+    ("case", "named"),
     [
-        ('SETTINGS["gain"] = 3.0', "the global SETTINGS that the hook on the module reads"),
+        ("setting-set-in-main", "the global SETTINGS that the hook on the module reads"),
         (
-            "torch.nn.modules.module.register_module_forward_hook(everywhere)",
+            "process-wide-hook-registered-in-main",
             "process-wide hook registered when the dataset was made is not registered here",
         ),
     ],
     ids=["setting-set-in-main", "process-wide-hook-registered-in-main"],
 )
 def test_a_spawned_worker_refuses_a_miss_where_its_hooks_read_other_values(
-    tmp_path: Path, in_main: str, named: str
+    spawned_cases: dict[str, list[str]], case: str, named: str
 ) -> None:
     """A spawned worker imports the script anew: a setting main() changed, or a process-wide
     hook main() registered, is not there. Its misses are refused in one line saying what
     differs, why and what to do, never encoded with other values under the dataset's keys."""
-    lines = _run_spawned(tmp_path, "", in_main)
+    lines = spawned_cases.get(case, [])
     assert len(lines) == 1 and lines[0].startswith("refused: "), lines
     assert named in lines[0], lines
     assert "imports the script anew" in lines[0], lines
@@ -674,13 +663,12 @@ def test_a_spawned_worker_refuses_a_miss_where_its_hooks_read_other_values(
 
 
 def test_a_spawned_worker_whose_hooks_read_what_the_import_set_serves_its_misses(
-    tmp_path: Path,
+    spawned_cases: dict[str, list[str]],
 ) -> None:
-    """The same script with the adapter's weights loaded and the setting set at import: the
-    worker reads what the dataset's keys were made with (an adapter of the script's own
-    class, ``__mp_main__``'s there, too), and encodes its misses."""
-    at_import = 'with torch.no_grad():\n    ADAPTER.weight.mul_(3.0)\nSETTINGS["gain"] = 3.0'
-    assert _run_spawned(tmp_path, at_import, "pass") == ["served 0 same", "served 1 same"]
+    """The adapter's weights loaded and the setting set at import: the worker reads what the
+    dataset's keys were made with (an adapter of the script's own class, ``__mp_main__``'s
+    there, too), and encodes its misses."""
+    assert spawned_cases.get("import-set") == ["served 0 same", "served 1 same"], spawned_cases
 
 
 #: What an observing hook's helper touches that the training changes: a call counter it
