@@ -615,6 +615,19 @@ def fresh_writes(codes: list[Any], cls: type | None) -> frozenset[str]:
     )
 
 
+def argument_names(code: Any) -> tuple[str, ...]:
+    """The names of a code object's arguments, in order (keyword-only, ``*args`` and
+    ``**kwargs`` too).
+
+    Example:
+        >>> argument_names((lambda a, *b, c, **d: None).__code__)
+        ('a', 'c', 'b', 'd')
+    """
+    count = code.co_argcount + code.co_kwonlyargcount
+    count += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    return tuple(code.co_varnames[:count])
+
+
 def _method_code(code: Any) -> bool:
     """Whether ``code`` is a function's own (no nested function's, lambda's, comprehension's)."""
     return "<locals>" not in getattr(code, "co_qualname", "<locals>") and code.co_name != "<lambda>"
@@ -788,16 +801,13 @@ class _Interpreter:
     def _arguments(self) -> dict[str, _Slot]:
         """The locals at the start: self, and each argument (the inputs where clean)."""
         code = self.code
-        count = code.co_argcount + code.co_kwonlyargcount
-        count += bool(code.co_flags & inspect.CO_VARARGS)
-        count += bool(code.co_flags & inspect.CO_VARKEYWORDS)
         given = (
             _EMPTY
             if self.key in self.facts.clean
             else _Slot(frozenset({("param", self.key)}), frozenset(), frozenset())
         )
         names = {}
-        for name in code.co_varnames[:count]:
+        for name in argument_names(code):
             slot = _SELF_SLOT if name in self.facts.selfs else given
             names[name] = slot
             if name in code.co_cellvars:
@@ -1037,6 +1047,11 @@ class _Interpreter:
         stack += [_Slot(made, inputs.alias - {_SELF}, callee)] * (popped + effect)
 
 
+def _within(b: _Slot, a: _Slot) -> bool:
+    """Whether ``b`` adds nothing to ``a`` (their join is ``a``)."""
+    return b.made <= a.made and b.alias <= a.alias and b.callee <= a.callee
+
+
 def _merge(old: _State | None, new: _State) -> _State | None:
     """``old`` where ``new`` adds nothing to it, their join, or None where their stacks differ
     in depth (code this reading cannot follow)."""
@@ -1045,15 +1060,14 @@ def _merge(old: _State | None, new: _State) -> _State | None:
     if len(old[0]) != len(new[0]):
         return None
     stack = tuple(
-        a if (b.made <= a.made and b.alias <= a.alias and b.callee <= a.callee) else _joined((a, b))
-        for a, b in zip(old[0], new[0], strict=True)
+        a if _within(b, a) else _joined((a, b)) for a, b in zip(old[0], new[0], strict=True)
     )
     names = dict(old[1])
     for k, b in new[1].items():
         a = names.get(k)
         if a is None:
             names[k] = b
-        elif not (b.made <= a.made and b.alias <= a.alias and b.callee <= a.callee):
+        elif not _within(b, a):
             names[k] = _joined((a, b))
     changed = any(x is not y for x, y in zip(stack, old[0], strict=True)) or names != old[1]
     return (stack, names) if changed else old

@@ -40,6 +40,7 @@ from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 from featbake.keys import (
+    argument_names,
     canonical_json,
     derived_attributes,
     derived_state,
@@ -434,10 +435,7 @@ class HeldReading:
                 except ValueError:
                     parts.append("<empty>")
                     continue
-                root = ("cell", cell_name)
-                modular = isinstance(held, types.ModuleType)
-                text = self._held(held, name, cell_name, root, code, depth) if modular else None
-                parts.append(text or self.text(held, name, depth))
+                parts.append(self._held(held, name, cell_name, ("cell", cell_name), code, depth))
         defaults = func.__defaults__ or ()
         named = func.__code__.co_varnames[: func.__code__.co_argcount][-len(defaults) :]
         for arg, v in zip(named if defaults else (), defaults, strict=True):
@@ -515,7 +513,7 @@ class HeldReading:
         (``cfg.GAIN``), or whole where the code uses it otherwise or not at all; any other
         value as it is (:meth:`text`, ``name`` what holds it). ``label``: the name the code
         gives it."""
-        if not isinstance(value, types.ModuleType) or not _own_module(value):
+        if not _own_module(value):
             return self.text(value, name, depth)
         chains = {c for code in codes for r, c in root_chains(code) if r == root}
         if not chains or ("*",) in chains:
@@ -721,8 +719,6 @@ class HeldReading:
         codes = [f.__code__ for f in methods]
         rows = [
             f"{k}={self._held(v, k, k, ('self', k), codes, depth)}"
-            if isinstance(v, types.ModuleType)
-            else f"{k}={self.text(v, k, depth)}"
             for k, v in held.items()
             if k not in own
         ]
@@ -1291,9 +1287,9 @@ def _roots_at(
     if op.opname == "LOAD_DEREF":
         return [(("cell", str(op.argval)), i + 1, ())]
     loaded = op.argval[-1] if op.opname in _JOINED_LOADS else op.argval
-    if op.opname in _JOINED_LOADS and op.argval[0] in _arguments(code):
+    if op.opname in _JOINED_LOADS and op.argval[0] in argument_names(code):
         found.add((("param", str(op.argval[0])), ("*",)))  # used as it is
-    if op.opname in _ARGUMENT_LOADS and loaded in _arguments(code):
+    if op.opname in _ARGUMENT_LOADS and loaded in argument_names(code):
         roots: list[tuple[tuple[str, ...], int, tuple[str, ...]]]
         roots = [(("param", str(loaded)), i + 1, ())]
         after = ins[i + 1] if i + 1 < len(ins) else None
@@ -1303,13 +1299,6 @@ def _roots_at(
     if op.opname == "IMPORT_NAME" and i >= 2:
         _imported_names(code, ins, i, aliases)
     return []
-
-
-def _arguments(code: Any) -> tuple[str, ...]:
-    """The names of a code object's arguments."""
-    count = code.co_argcount + code.co_kwonlyargcount
-    count += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
-    return tuple(code.co_varnames[:count])
 
 
 def _imported_names(code: Any, ins: list[Any], i: int, aliases: dict[Any, set[Any]]) -> None:
