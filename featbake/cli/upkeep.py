@@ -62,7 +62,7 @@ from featbake.image_recipe import describe_fields
 from featbake.units import counted, format_bytes, parse_bytes
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
     from featbake.store.catalog import Catalog
     from featbake.upkeep import GcPlan
@@ -848,8 +848,10 @@ def export(
         typer.Option(
             "--strict-rows",
             help="Refuse, writing nothing, where the data no longer lists some items' rows "
-            "(removed or renamed since the build) or cannot be read. Default: export their "
-            "columns empty (null) and say how many in one line.",
+            "(removed or renamed since the build), some items' files changed since the build "
+            "or cannot be read, or the data cannot be read. Default: export unlisted rows' "
+            "columns empty (null), leave changed items out, export unreadable ones as built, "
+            "and say how many in one line each.",
         ),
     ] = False,
     cache: CacheOpt = None,
@@ -868,10 +870,14 @@ def export(
     The columns are read from the root's data (its manifest) as it is now: a label fixed since
     the build is exported fixed; an item whose row was removed or renamed since is exported with
     empty columns and counted in one line (--strict-rows refuses instead): rebuild the root to
-    export the manifest as it is.
+    export the manifest as it is. Each item's file is checked against the bytes its features
+    were computed from (a stat per file where the build's hash cache vouches for it, else the
+    file hashed): an item whose file changed since the build is left out, one whose file cannot
+    be read is exported as built, each counted in one line (--strict-rows refuses).
     """
     note_inert_options(ctx, cache)
     from featbake.errors import ConfigError, StoreError
+    from featbake.export.source import drift_lines
     from featbake.store.open import open_store
 
     if fmt not in EXPORT_FORMATS:
@@ -889,8 +895,8 @@ def export(
             )  # fmt: skip
     except OSError as e:  # the OS refused a path or a write: nothing is left at OUT
         raise StoreError(export_write_error(out_path, e)) from e
-    if report.unlisted:
-        console.print(f"[yellow]{escape(unlisted_line(report))}[/]")
+    for line in drift_lines(report):
+        console.print(f"[yellow]{escape(line)}[/]")
     if as_json:
         out.print_json(json.dumps(report.to_json()))
     else:
@@ -900,24 +906,6 @@ def export(
             f"{format_bytes(report.bytes)}) to {escape(report.out)}"
             + (f"; {report.missing} items not stored were left out" if report.missing else "")
         )
-
-
-def unlisted_line(report: Any) -> str:
-    """The warning of an export some of whose items' rows the data no longer lists.
-
-    Example:
-        >>> from featbake.export.source import ExportReport
-        >>> unlisted_line(ExportReport("f.zarr", "r-1", 4, 0, ("",), {}, 0, 0.0, 2))[:53]
-        '2 of 4 items of root r-1 have no row in its data now '
-    """
-    from featbake.export.source import unlisted_count
-
-    return (
-        f"{unlisted_count(report.unlisted, report.items)} of root {report.root} have no row in "
-        "its data now (removed or renamed since the build): their columns are exported empty "
-        "(null); rebuild the root (`featbake build`) to match the data, or pass --strict-rows "
-        "to refuse"
-    )
 
 
 def _layouts_text(layouts: dict[str, str]) -> str:
@@ -995,14 +983,16 @@ def _exporter(fmt: str, compression: str | None = None) -> Any:
 
 
 def _root_rows(column: str | None, strict: bool = False) -> Any:
-    """The reader of a root's carried rows (export/ never opens inputs): the root's data opened
-    as the build opened it, each item's row or None where the data lists it no more; where the
-    data cannot be opened, one warning and no row columns (``strict``: a refusal)."""
+    """The reader of a root's data now (export/ never opens inputs): the root's data opened as
+    the build opened it, each item's row or None where the data lists it no more, and its
+    input's digest now (:class:`featbake.export.source.RootData`); where the data cannot be
+    opened, one warning and no row columns (``strict``: a refusal)."""
 
     def rows_for(root: Any) -> Any:
-        from featbake.encode.inputs import inputs_at
+        from featbake.encode.inputs import DigestView, inputs_at
         from featbake.encode.sources import source_extensions
         from featbake.errors import ConfigError, FeatbakeError
+        from featbake.export.source import RootData
 
         source = root.recipe.get("source")
         try:
@@ -1020,6 +1010,17 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
                 f"cannot be opened ({escape(str(e))}); keys and ids are exported[/]"
             )
             return None
-        return lambda path: inputs.row(path) if path in listed else None
+
+        def digests(paths: Sequence[str], hashes: Any) -> dict[str, str]:
+            """Each listed item's digest now, as a build hashes it (the hash cache read,
+            nothing written); those that cannot be read are left out."""
+            named = {inputs.path(p): p for p in paths}
+            try:
+                now, _ = inputs.hash(DigestView(hashes, {}), list(named))
+            except (FeatbakeError, OSError):
+                return {}
+            return {named[full]: digest for full, digest in now.items()}
+
+        return RootData(lambda path: inputs.row(path) if path in listed else None, digests)
 
     return rows_for

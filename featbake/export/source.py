@@ -28,7 +28,7 @@ import threading
 import time
 import unicodedata
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,11 +37,13 @@ import numpy as np
 import torch
 
 from featbake.errors import ConfigError, ShardMissing, StoreError
+from featbake.keys import feature_key
 from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, Location
 from featbake.store.features import ShardHandles
 from featbake.store.fidelity import QUANTISED
 from featbake.store.files import write_all
+from featbake.store.hash_cache import HashCache
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, open_catalog, resolve_root
 from featbake.store.roots import Root
@@ -54,9 +56,25 @@ READ_BATCH = 256
 #: None where the data lists no such item now: its row removed or renamed since the build).
 RowsOf = Callable[[str], Mapping[str, Any] | None]
 
-#: The rows of a chosen root's items, or None where its inputs cannot be opened (export/ never
-#: opens inputs itself: the CLI passes :func:`featbake.cli.upkeep`'s reader of the root's data).
-RowsFor = Callable[[Root], RowsOf | None]
+#: The digest each of some listed items' inputs has now (``paths``: item paths), read through
+#: the hash cache (a file whose stat is unchanged since it was hashed is not read again) and
+#: writing nothing to it; an item that cannot be read now is left out of the answer.
+DigestsOf = Callable[[Sequence[str], HashCache], Mapping[str, str]]
+
+
+@dataclass(frozen=True)
+class RootData:
+    """A chosen root's data as it is now, opened as the build opened it: each item's carried
+    row (:data:`RowsOf`) and its input's digest now (:data:`DigestsOf`, which
+    :func:`checked_items` compares with the key the build stored its features under)."""
+
+    row: RowsOf
+    digests: DigestsOf
+
+
+#: A chosen root's data now, or None where its inputs cannot be opened (export/ never opens
+#: inputs itself: the CLI passes :func:`featbake.cli.upkeep`'s reader of the root's data).
+RowsFor = Callable[[Root], RootData | None]
 
 #: Where a format's progress goes: ``GcProgress("export", items done, items)``.
 ProgressFn = Callable[[GcProgress], None]
@@ -105,11 +123,13 @@ class ExportSource:
     present: list[tuple[str, str]]  # the items with a stored feature
     located: dict[str, list[Location]]
     parts: tuple[str, ...]  # the parts exported, in the order asked for (else sorted)
+    #: stored items left out of ``present``: their inputs changed since the build
+    changed: tuple[str, ...] = ()
 
     @property
     def missing(self) -> int:
         """Items of the manifest the store does not hold."""
-        return len(self.manifest) - len(self.present)
+        return len(self.manifest) - len(self.present) - len(self.changed)
 
 
 @dataclass(frozen=True)
@@ -147,6 +167,12 @@ class ExportReport:
     #: Items whose row the data lists no more (removed or renamed since the build): their
     #: carried columns are exported empty (null). 0 where the rows carry no columns.
     unlisted: int = 0
+    #: Stored items whose input changed since the build (its digest now does not give the
+    #: item's key): left out, not counted in ``items``.
+    changed: int = 0
+    #: Exported items whose input cannot be read now (a file removed): exported as built,
+    #: unchecked. Unlisted items are counted in ``unlisted`` alone.
+    unchecked: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -267,7 +293,7 @@ def open_source(
     layout, catalog = open_catalog(cache)
     try:
         if check is not None:
-            check(layout, [(r.name, r.data) for r in catalog.roots()])
+            check(layout, [DataSource(r.name, r.data) for r in catalog.roots()])
         chosen = choose_root(catalog, root)
         manifest = [(p, k) for p, k in catalog.root_items(chosen.name)]
         located = catalog.locate_many([k for _, k in manifest])
@@ -761,46 +787,151 @@ def _bytes_of(chunk: bytes | memoryview | np.ndarray) -> memoryview:
     return memoryview(chunk).cast("B")
 
 
+def checked_items(src: ExportSource, data: RootData) -> tuple[list[str], list[str]]:
+    """The present items whose input changed since the build, and those whose input cannot be
+    read now (the data lists them no more, or their files are gone or unreadable).
+
+    Each item the data lists now has its input's digest now keyed as the build keyed it
+    (:func:`featbake.keys.feature_key` of the root's encoder and recipe) and compared with its
+    key. The digests come through the catalog's hash cache, as a build's do: an input whose
+    stat is unchanged since it was hashed is not read again (a stat per file); one changed,
+    or never hashed into this catalog, is read whole.
+    """
+    listed = [p for p, _ in src.present if data.row(p) is not None]
+    catalog = Catalog(src.layout)
+    try:
+        now = data.digests(listed, catalog)
+    finally:
+        catalog.close()
+    fps = (src.root.encoder_fp, src.root.recipe_fp)
+    changed = [p for p, k in src.present if p in now and feature_key(*fps, now[p]) != k]
+    return changed, [p for p, _ in src.present if p not in now]
+
+
 @dataclass(frozen=True)
-class CarriedRows:
-    """The carried row of each present item in order (``{}`` where it has none), and the
-    paths of the items whose row the data lists no more (removed or renamed since the build;
-    left empty where no row carries a column: nothing of theirs is lost)."""
+class Matched:
+    """What the root's data now says of the items the store holds: the carried row of each
+    item exported, in order (None: no rows to write), and the paths of the items the data no
+    longer matches, one list per :class:`Drift`."""
 
-    rows: list[Mapping[str, Any]]
-    unlisted: list[str]
+    rows: list[Mapping[str, Any]] | None = None
+    #: rows the data lists no more (left empty where no row carries a column: nothing of
+    #: theirs is lost), their columns exported empty
+    unlisted: list[str] = field(default_factory=list)
+    #: inputs whose digest now does not give the item's key: left out
+    changed: list[str] = field(default_factory=list)
+    #: inputs that cannot be read now (and are not unlisted): exported as built
+    unchecked: list[str] = field(default_factory=list)
 
-
-def rows_of(src: ExportSource, rows_for: RowsFor | None) -> CarriedRows | None:
-    """The carried rows of the present items, or None where there are none to read."""
-    rows = rows_for(src.root) if rows_for is not None else None
-    if rows is None:
-        return None
-    found = [(path, rows(path)) for path, _ in src.present]
-    carried = [row or {} for _, row in found]
-    unlisted = [path for path, row in found if row is None] if any(carried) else []
-    return CarriedRows(carried, unlisted)
+    def drifts(self) -> list[tuple[Drift, list[str]]]:
+        return [(UNLISTED, self.unlisted), (CHANGED, self.changed), (UNCHECKED, self.unchecked)]
 
 
-def unlisted_error(src: ExportSource, unlisted: Sequence[str]) -> ConfigError:
-    """The refusal of ``--strict-rows`` where the data lists no row for some items."""
-    shown = ", ".join(repr(p) for p in unlisted[:3]) + (", ..." if len(unlisted) > 3 else "")
-    return ConfigError(
-        f"{unlisted_count(len(unlisted), len(src.present))} of root {src.root.name} have no row "
-        f"in its data {src.root.data} now ({shown}): removed or renamed since the build; "
-        "rebuild the root (`featbake build`) to export the rows the data holds now, or drop "
-        "--strict-rows to export their columns empty"
-    )
+def matched_to(
+    src: ExportSource, data: RootData | None, *, strict_rows: bool = False
+) -> tuple[ExportSource, Matched]:
+    """``src`` less the items whose inputs changed since the build (:func:`checked_items`),
+    and what the data now says of its items (:class:`Matched`); ``src`` as it is, and no
+    rows, where the data cannot be opened (``data`` None).
+
+    Raises:
+        ConfigError: under ``strict_rows``, some items the data does not match; or every
+            stored item changed (nothing true is left to export).
+    """
+    if data is None:
+        return src, Matched()
+    found = [data.row(path) for path, _ in src.present]
+    carried = [row or {} for row in found]
+    unlisted = [p for (p, _), row in zip(src.present, found, strict=True) if row is None]
+    changed, unread = checked_items(src, data)
+    unlisted = unlisted if any(carried) else []
+    counted = set(unlisted)
+    matched = Matched(carried, unlisted, changed, [p for p in unread if p not in counted])
+    stored = len(src.present)
+    for drift, paths in matched.drifts():
+        if strict_rows and paths:
+            raise drift.refusal(paths, stored, src.root)
+    if len(changed) == stored:
+        head = CHANGED.head(stored, stored, src.root.name)
+        raise ConfigError(f"{head}: nothing is left to export; {REBUILD}")
+    gone = set(changed)
+    kept = [i for i, (path, _) in enumerate(src.present) if path not in gone]
+    src = replace(src, present=[src.present[i] for i in kept], changed=tuple(changed))
+    return src, replace(matched, rows=[carried[i] for i in kept])
 
 
-def unlisted_count(unlisted: int, items: int) -> str:
-    """``2 of 4 items`` (pure).
+@dataclass(frozen=True)
+class Drift:
+    """One way the root's data now disagrees with what the build read, as every message of
+    it says it: ``fact`` (after "2 of 4 items of root r-1"; ``{data}`` is where the data is),
+    what an export does with such items (``default``), and what dropping ``--strict-rows``
+    would do (``lenient``)."""
+
+    fact: str
+    default: str
+    lenient: str
+
+    def head(self, count: int, items: int, root: str, data: str = "its data") -> str:
+        """``2 of 4 items of root r-1 <fact>`` (pure): the warning and the refusal both open
+        with it.
+
+        Example:
+            >>> UNLISTED.head(1_200, 1_300, "r-1")
+            '1,200 of 1,300 items of root r-1 have no row in its data now (removed or renamed since the build)'
+        """  # noqa: E501
+        return f"{count:,} of {items:,} items of root {root} {self.fact.format(data=data)}"
+
+    def warning(self, count: int, items: int, root: str) -> str:
+        """The one yellow line of an export that went on (pure)."""
+        return (
+            f"{self.head(count, items, root)}: {self.default}; {REBUILD}, or pass "
+            "--strict-rows to refuse"
+        )
+
+    def refusal(self, paths: Sequence[str], items: int, root: Root) -> ConfigError:
+        """The refusal of ``--strict-rows``, naming the first of ``paths``."""
+        shown = ", ".join(repr(p) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
+        head = self.head(len(paths), items, root.name, f"its data {root.data}")
+        return ConfigError(f"{head} ({shown}); {REBUILD}, or drop --strict-rows to {self.lenient}")
+
+
+#: What every :class:`Drift` message says to do.
+REBUILD = "rebuild the root (`featbake build`) to match the data"
+
+UNLISTED = Drift(
+    "have no row in {data} now (removed or renamed since the build)",
+    "their columns are exported empty (null)",
+    "export their columns empty",
+)
+CHANGED = Drift(
+    "changed in {data} since the build (the bytes their features were computed from are not "
+    "there now)",
+    "they are left out",
+    "leave them out",
+)
+UNCHECKED = Drift(
+    "cannot be read from {data} now (their files removed or unreadable since the build), so "
+    "whether they changed is unknown",
+    "they are exported as built",
+    "export them as built",
+)
+
+
+def drift_lines(report: ExportReport) -> list[str]:
+    """The warnings of an export some of whose items the root's data no longer matches, one
+    line per :class:`Drift`, each over the items the store holds (pure).
 
     Example:
-        >>> unlisted_count(1, 1_200)
-        '1 of 1,200 items'
+        >>> report = ExportReport("f", "r-1", 3, 0, (), {}, 0, 0.0, changed=1, unchecked=2)
+        >>> for line in drift_lines(report):
+        ...     print(line.partition(" (")[0])
+        1 of 4 items of root r-1 changed in its data since the build
+        2 of 4 items of root r-1 cannot be read from its data now
     """
-    return f"{unlisted:,} of {items:,} items"
+    counts = ((UNLISTED, report.unlisted), (CHANGED, report.changed),
+              (UNCHECKED, report.unchecked))  # fmt: skip
+    stored = report.items + report.changed
+    return [drift.warning(n, stored, report.root) for drift, n in counts if n]
 
 
 def row_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
@@ -939,8 +1070,12 @@ def cell_text(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-#: A data folder or file a root was built from: (the root's name, its ``data``).
-DataSource = tuple[str, str]
+@dataclass(frozen=True)
+class DataSource:
+    """A data folder or file a root was built from: the root's name and its ``data``."""
+
+    root: str
+    data: str
 
 
 def check_free(
@@ -964,11 +1099,11 @@ def check_free(
             raise ConfigError(
                 f"{path} is, holds or lies inside the store {store}; export to a path outside it"
             )
-        for name, data in sources:
-            if "://" not in data and inside_store(path, Path(data)):
+        for source in sources:
+            if "://" not in source.data and inside_store(path, Path(source.data)):
                 raise ConfigError(
-                    f"{path} is, holds or lies inside {data}, the data root {name} was built "
-                    "from; export to a path outside it"
+                    f"{path} is, holds or lies inside {source.data}, the data root "
+                    f"{source.root} was built from; export to a path outside it"
                 )
         if (why := unfit(path)) is not None:
             raise ConfigError(why)
@@ -1047,16 +1182,21 @@ def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export
         root: the root's name or a unique prefix; may be left out when the store has one root.
         overwrite: replace ``out`` if it exists.
         output: export only this part (``--output``); layers: only these hidden layers.
-        rows_for: the chosen root's rows, each item's by its path (the CLI reads them from the
-            root's inputs); None: no carried columns.
+        rows_for: the chosen root's data now (:class:`RootData`: each item's row and its
+            input's digest; the CLI reads them from the root's inputs); None: no carried
+            columns, and nothing checked. Items whose input changed since the build are left
+            out (counted in ``changed``); those whose input cannot be read now are exported
+            as built (``unchecked``).
         progress: called with ``GcProgress("export", items done, items)``.
         strict_rows: refuse (before writing anything) where the data lists no row for some
-            items (removed or renamed since the build) or cannot be read at all (``rows_for``
-            None), rather than export their columns empty (counted in ``unlisted``).
+            items (removed or renamed since the build), some inputs changed since the build
+            or cannot be read now, or the data cannot be read at all (``rows_for`` None):
+            every :class:`Drift`.
 
     Raises:
         ConfigError: no such root, several roots and none chosen, ``out`` exists or is not the
-            format's, shapes that fit no layout; under ``strict_rows``, rows the data lacks.
+            format's, shapes that fit no layout; every stored item's input changed since the
+            build; under ``strict_rows``, items the data does not match.
         StoreCorrupt: a stored feature fails its checksum.
     """
     started = time.perf_counter()
@@ -1071,16 +1211,15 @@ def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export
             out, layout.root, overwrite=overwrite, sources=sources
         ),
     )  # fmt: skip
-    layouts = part_layouts(src)
-    carried = rows_of(src, rows_for)
-    if strict_rows and carried is None and rows_for is not None:
+    data = rows_for(src.root) if rows_for is not None else None
+    if strict_rows and data is None and rows_for is not None:
         raise ConfigError(
             f"the rows of root {src.root.name} cannot be read from its data {src.root.data}; "
             "drop --strict-rows to export keys and ids without them"
         )
-    if strict_rows and carried is not None and carried.unlisted:
-        raise unlisted_error(src, carried.unlisted)
-    rows = None if carried is None else carried.rows
+    src, matched = matched_to(src, data, strict_rows=strict_rows)
+    layouts = part_layouts(src)
+    rows = matched.rows
     partial = out.with_name(out.name + ".partial")
     discard(partial)
     try:
@@ -1098,5 +1237,5 @@ def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export
         {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
         written,
         time.perf_counter() - started,
-        0 if carried is None else len(carried.unlisted),
+        *(len(paths) for _, paths in matched.drifts()),
     )
