@@ -824,6 +824,7 @@ class Matched:
     unchecked: list[str] = field(default_factory=list)
 
     def drifts(self) -> list[tuple[Drift, list[str]]]:
+        """Each :class:`Drift` with the paths of its items, in the order they are told."""
         return [(UNLISTED, self.unlisted), (CHANGED, self.changed), (UNCHECKED, self.unchecked)]
 
 
@@ -842,9 +843,9 @@ def matched_to(
         return src, Matched()
     found = [data.row(path) for path, _ in src.present]
     carried = [row or {} for row in found]
-    unlisted = [p for (p, _), row in zip(src.present, found, strict=True) if row is None]
+    listed = zip(src.present, found, strict=True)
+    unlisted = [p for (p, _), row in listed if row is None] if any(carried) else []
     changed, unread = checked_items(src, data)
-    unlisted = unlisted if any(carried) else []
     counted = set(unlisted)
     matched = Matched(carried, unlisted, changed, [p for p in unread if p not in counted])
     stored = len(src.present)

@@ -1,4 +1,4 @@
-"""Round fourteen, export (r14.x1-r14.x4): an input changed since the build under the same id.
+"""Round fourteen, export (r14.x1-r14.x5): an input changed since the build under the same id.
 
 A manifest names each item by an explicit id; the build stored the features of the file the row
 named then. Where the file changed since (other bytes of the same size with its mtime put back,
@@ -133,6 +133,7 @@ def test_rows_whose_files_changed_are_left_out_and_the_rest_match_the_encoder_no
         assert sorted(set(ids)) == ["u2", "u3", "u4"], (fmt, ids)
 
 
+# == r14.x2: --strict-rows =========================================================================
 def test_strict_rows_refuses_changed_or_unreadable_files_writing_nothing(
     encoder_file: Path, store_dir: Path, tmp_path: Path
 ) -> None:
@@ -165,7 +166,7 @@ def test_strict_rows_refuses_changed_or_unreadable_files_writing_nothing(
     assert len(zarr.open_group(str(out), mode="r")["paths"][:]) == 3
 
 
-# == r14.x2: inputs that are not a row's whole file ================================================
+# == r14.x3: inputs that are not a row's whole file ================================================
 def test_a_folder_root_and_moved_segment_bounds_are_checked_too(
     encoder_file: Path, store_dir: Path, tmp_path: Path
 ) -> None:
@@ -200,6 +201,7 @@ def test_a_folder_root_and_moved_segment_bounds_are_checked_too(
     assert pq.read_table(out).column("id").to_pylist() == ["s0"]
 
 
+# == r14.x4: no false alarm ========================================================================
 def test_data_as_built_exports_every_item_with_no_word(
     encoder_file: Path, store_dir: Path, tmp_path: Path
 ) -> None:
@@ -233,7 +235,7 @@ def test_data_as_built_exports_every_item_with_no_word(
         assert (report["items"], report["changed"], report["unchecked"]) == (2, 0, 0), report
 
 
-# == r14.x3: nothing left ===========================================================================
+# == r14.x5: nothing left ==========================================================================
 def test_every_item_changed_is_one_line_and_nothing_written(
     encoder_file: Path, store_dir: Path, tmp_path: Path
 ) -> None:
