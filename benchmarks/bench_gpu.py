@@ -105,7 +105,7 @@ class Sizes:
 #: The record on an H200 (all parts ~3-4 minutes); quick there; any device's smoke run.
 FULL = Sizes(400, 3, 3000, 3, 1 << 16, 200, "hf-base", 256, 64)
 QUICK = Sizes(40, 1, 256, 1, 1 << 16, 50, "hf-base", 8, 16)
-CPU_QUICK = Sizes(6, 1, 48, 1, 512, 5, "hf-tiny", 4, 6)
+CPU_QUICK = Sizes(3, 1, 32, 1, 512, 3, "hf-tiny", 2, 3)
 
 
 def sizes_for(quick: bool, device: torch.device) -> Sizes:

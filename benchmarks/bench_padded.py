@@ -223,7 +223,7 @@ def run_arms(
     common = {"batch_size": BATCH, "device": device, "batch_seconds": BATCH_SECONDS}
     # A throwaway build first: the process's one-time costs (CUDA context, cuDNN and kernel
     # loading) are billed to no side, as the bare loop's warm-up run does for it.
-    write_audio_folder(work / "warm", 4, seconds=(1.0, 3.0), seed=30)
+    write_audio_folder(work / "warm", min(4, n), seconds=(1.0, 3.0), seed=30)
     timed_build(work / "warm", encoder, work / "warm-store", recipe, **common)
     with recorded_calls() as pad_calls:
         t_pad, rep_pad = timed_build(

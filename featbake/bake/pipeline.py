@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, NoReturn, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from featbake.bake.arguments import BuildArguments, check_build_arguments, check_encoder_found
 from featbake.bake.batching import BatchRunner, budget_samples
 from featbake.bake.derive import StoredSource, derivation_plan, stored_sources
+from featbake.bake.engine_wire import ENGINE_PROTOCOL, CarriedError, check_protocol
 from featbake.bake.interrupt import interrupt_at_safe_points
 from featbake.bake.options import BakeOptions
 from featbake.bake.ranks import (
@@ -995,29 +996,6 @@ class WorkItem(NamedTuple):
     carried: object | None = None  # what decoding needs beyond its path (carried_values)
 
 
-#: What a build's driver and its engine's workers exchange (:class:`EngineJob`, :class:`WorkItem`,
-#: :class:`PartResult`'s JSON, the Ray hashing tasks' arguments and results), numbered: one
-#: more each time it changes. A Ray cluster's nodes each run the featbake installed there, so
-#: a node not yet upgraded meets a driver that was; each side checks the number it is sent
-#: (:func:`check_protocol`) and says so in one line rather than misreading the other. 1: what
-#: featbake sent before the number was (nothing: read as 1).
-ENGINE_PROTOCOL = 2
-
-
-def check_protocol(theirs: object, who: str) -> None:
-    """Refuse what ``who`` (the build's driver, a worker) sent under another engine protocol.
-
-    Raises:
-        ConfigError: ``theirs`` is not :data:`ENGINE_PROTOCOL`.
-    """
-    if theirs != ENGINE_PROTOCOL:
-        raise ConfigError(
-            f"{who} runs another featbake than this node (engine protocol {theirs}, this "
-            f"node's {ENGINE_PROTOCOL}): install the same featbake on every node of the "
-            "cluster, then run the build again"
-        )
-
-
 @dataclass(frozen=True)
 class EngineJob:
     """What an engine's worker needs to encode as the build does (picklable: sent once per
@@ -1047,49 +1025,6 @@ class EngineJob:
         no such field), and is 1, not the class's default (this node's number) that reading
         the attribute would find."""
         return vars(self).get("protocol", 1)
-
-
-@dataclass
-class SeenHere:
-    """How a hashing task (bake/ray_engine.py) on this host sees the files whose stats the
-    driver took, on host ``driver_host``: the stat it checks its reads against.
-
-    On the driver's own host a stat is taken whole (size, mtime, inode, ctime). On another
-    host the same mount may show other inode numbers (and ctimes) for the same file (a FUSE or
-    clustered file system numbering inodes per node), so a file there whose size and mtime_ns
-    are the driver's is read checked against its stat here, whole (a file rewritten while it
-    is read is refused by its inode and ctime here), and what was read is reported back at
-    the driver's stat (:meth:`driver_stat`). That does not make it the version the driver
-    stat'ed: a file rewritten in place with its mtime put back keeps size and mtime. The
-    driver vouches for it by its own stat after the task returned
-    (:func:`~featbake.bake.ray_engine.vouched`); an engine's worker there hashes what it
-    decodes (:meth:`PartEncoder.keyed_here`). A name that is no file here (an object) keeps
-    the driver's stat.
-    """
-
-    driver_host: str
-    #: this host's stat of a file -> the driver's stat of the same version
-    back: dict[FileStat, FileStat] = field(default_factory=dict)
-    #: file -> its stat here, taken once (a tar's members, a table's cells share their file's)
-    here: dict[str, FileStat | None] = field(default_factory=dict)
-
-    def stat(self, file: str, seen: FileStat) -> FileStat:
-        """``file``'s stat here if it is the version the driver saw at ``seen``, else
-        ``seen`` (the driver's host; a file changed, gone, or no file here)."""
-        if self.driver_host == this_host():
-            return seen
-        if file not in self.here:
-            self.here[file] = file_stat_or_none(file) if os.path.isabs(file) else None
-        here = self.here[file]
-        if here is None or (here.size, here.mtime_ns) != (seen.size, seen.mtime_ns):
-            return seen
-        self.back[here] = seen
-        return here
-
-    def driver_stat(self, stat: FileStat | None) -> FileStat | None:
-        """The driver's stat of what this host read at ``stat`` (``stat`` itself if this host
-        took no other for it)."""
-        return stat if stat is None else self.back.get(stat, stat)
 
 
 def file_holding(path: str, carried: object | None = None) -> str:
@@ -1163,24 +1098,6 @@ NOT_THE_BYTES_HASHED = (
     "changed since it was hashed: its bytes on this node are not the ones its key was made "
     "from (rewritten in place, its mtime kept?); rerun the build"
 )
-
-
-@dataclass(frozen=True)
-class CarriedError:
-    """A :class:`FeatbakeError` a worker raised, carried back to the driver (an engine's own
-    wrapping of a worker's exception may keep only its traceback's text): its class's name
-    and its one line, raised again there as its own class (:meth:`raise_again`)."""
-
-    kind: str
-    message: str
-
-    @classmethod
-    def of(cls, e: FeatbakeError) -> CarriedError:
-        return cls(type(e).__name__, str(e))
-
-    def raise_again(self) -> NoReturn:
-        """Raise the error as its own class (FeatbakeError if none is called ``kind``)."""
-        raise error_class(self.kind)(self.message)
 
 
 @dataclass(frozen=True)
@@ -1279,17 +1196,6 @@ class PartResult:
                 "error": None if error is None else CarriedError(**error),
             }
         )
-
-
-def error_class(name: str) -> type[FeatbakeError]:
-    """The :class:`FeatbakeError` subclass called ``name`` (FeatbakeError itself if none is)."""
-    stack: list[type[FeatbakeError]] = [FeatbakeError]
-    while stack:
-        kind = stack.pop()
-        if kind.__name__ == name:
-            return kind
-        stack += kind.__subclasses__()
-    return FeatbakeError
 
 
 class Engine(Protocol):

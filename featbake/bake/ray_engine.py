@@ -36,10 +36,10 @@ import pickle
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -49,23 +49,20 @@ from featbake.bake.options import BakeOptions
 from featbake.bake.pipeline import (
     ENGINE_PROTOCOL,
     BuildEncoder,
-    CarriedError,
     Engine,
     EngineJob,
     PartEncoder,
     PartResult,
     ProgressFn,
     RunnerSpec,
-    SeenHere,
     WorkItem,
-    check_protocol,
 )
+from featbake.bake.ray_hashing import HashedBatch, digest_batch, read_batch
 from featbake.bake.report import BuildReport
 from featbake.device import process_cpus
 from featbake.encode.fingerprints import (
     ContainerAsk,
     ContainerDigested,
-    ContainerRead,
     DigestAsk,
     Digested,
     Digester,
@@ -74,8 +71,6 @@ from featbake.encode.fingerprints import (
     read_here,
 )
 from featbake.encode.hf import recipe_for_encoder
-from featbake.encode.tables import CellReading
-from featbake.encode.webdataset import MemberReading
 from featbake.errors import BuildIncomplete, ConfigError, FeatbakeError, StoreError, first_line
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
@@ -423,99 +418,10 @@ A = TypeVar("A")  # an ask of a hashing task (an input, a container)
 # against the one it looked up, as it checks its own readings. The threshold counts the new items
 # (members, cells), as it counts a folder's new files: an item is an input either way, and one
 # shard of a million members is worth a task where a folder of 10 small tars is not.
-@dataclass(frozen=True)
-class HashedBatch(Generic[T]):
-    """What one hashing task returns: each input's :class:`Digested` (or each container's
-    :class:`ContainerDigested`) it did, and the one-line error it raised after them, if any (a
-    :class:`CarriedError`, raised again on the driver)."""
-
-    digested: list[T] = field(default_factory=list)
-    error: CarriedError | None = None
-
-    def raise_error(self) -> None:
-        """Raise the task's error as its own class, with its own line, if it had one."""
-        if self.error is not None:
-            self.error.raise_again()
-
-
-def digest_batch(
-    asks: list[DigestAsk], driver_host: str = "", protocol: int = 1
-) -> HashedBatch[Digested]:
-    """One hashing task (run by a Ray worker): ``asks`` (inputs of one place) read and hashed
-    on the worker's threads, no bytes kept (the actors read their inputs themselves). Each
-    read is checked against its file's stat as this host sees the version the driver stat'ed
-    on ``driver_host`` (:class:`SeenHere`), and its digest returned at the driver's stat.
-    ``protocol``: the driver's :data:`ENGINE_PROTOCOL` (a driver of the featbake before sent
-    neither argument)."""
-    if (refused := refused_protocol(protocol)) is not None:
-        return refused
-    seen = SeenHere(driver_host)
-    here = [DigestAsk(a.path, seen.stat(a.path, a.stat)) for a in asks]
-    return hashed_batch(
-        lambda: (digested_as_driver(d, seen) for d in digest_here(bytes_at(asks[0].path), here))
-    )
-
-
-def digested_as_driver(done: Digested, seen: SeenHere) -> Digested:
-    """``done`` with the stat it was read at as the driver's (see :class:`SeenHere`)."""
-    if isinstance(done.got, str):
-        return done
-    stat = seen.driver_stat(done.got.stat)
-    assert stat is not None  # a digest's stat is one
-    return Digested(done.path, done.got._replace(stat=stat))
-
-
-def read_batch(
-    asks: list[ContainerAsk], driver_host: str = "", protocol: int = 1
-) -> HashedBatch[ContainerDigested]:
-    """One container-hashing task (run by a Ray worker): each of ``asks``' containers read
-    by its :class:`ContainerRead` (a tar's listed members, a table file's cells), in order, no
-    bytes kept; each reading checked against its container's stat as this host sees the
-    version the driver listed or scanned on ``driver_host`` (:class:`SeenHere`), and its stat
-    returned as the driver's. ``protocol``: as for :func:`digest_batch`."""
-    if (refused := refused_protocol(protocol)) is not None:
-        return refused
-    seen = SeenHere(driver_host)
-    here = [replace(a, read=reading_here(a.read, seen)) for a in asks]
-
-    def as_driver(done: ContainerDigested) -> ContainerDigested:
-        return replace(done, got=done.got._replace(stat=seen.driver_stat(done.got.stat)))
-
-    return hashed_batch(lambda: map(as_driver, read_here(here)))
-
-
-def reading_here(read: ContainerRead, seen: SeenHere) -> ContainerRead:
-    """``read`` checked against its container's stat as this host sees it (the stat a tar's
-    members were listed at, a table file's rows scanned at: the driver's)."""
-    if isinstance(read, MemberReading) and read.listed_at is not None:
-        return replace(read, listed_at=seen.stat(read.tar, read.listed_at))
-    if isinstance(read, CellReading) and read.cell.scanned is not None:
-        scanned = seen.stat(read.file.path, read.cell.scanned)
-        return replace(read, cell=replace(read.cell, scanned=scanned))
-    return read
-
-
-def refused_protocol(protocol: int) -> HashedBatch[Any] | None:
-    """A hashing task's answer to a driver of another featbake (:func:`check_protocol`'s
-    line, carried back), or None for one of this featbake."""
-    try:
-        check_protocol(protocol, "the build's driver")
-    except ConfigError as e:
-        return HashedBatch([], CarriedError.of(e))
-    return None
-
-
-def hashed_batch(results: Callable[[], Iterable[T]]) -> HashedBatch[T]:
-    """What a hashing task returns: every result ``results()`` gave, and the one-line error it
-    raised after them, if any (a bucket's configuration, say: its line, not a traceback; the
-    results before it are kept by the driver)."""
-    done: list[T] = []
-    try:
-        for one in results():
-            done.append(one)
-    except FeatbakeError as e:
-        return HashedBatch(done, CarriedError.of(e))
-    return HashedBatch(done)
+#
+# The tasks themselves (:func:`digest_batch`, :func:`read_batch`) are in bake/ray_hashing.py: Ray
+# pickles a task's function by its module, which the worker imports, and this one imports torch
+# (seconds of CPU in each worker process, for a task that needs none).
 
 
 @dataclass(frozen=True)

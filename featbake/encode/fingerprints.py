@@ -1,6 +1,12 @@
 """Fingerprints that read bytes: inputs (files, objects, and the items inside containers: tar
 members, table cells), through the hash cache and the byte seam, and encoders (cached by file
-stat)."""
+stat).
+
+Importing this module imports no torch: a Ray hashing task (bake/ray_hashing.py) runs
+:func:`digest_here` in a worker process that needs no encoder, where torch's import alone costs
+seconds of CPU. The encoder fingerprints below import :mod:`featbake.encode.encoders` (torch) on
+first use; their callers have loaded an encoder, or are about to.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +16,17 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
-from featbake.encode.encoders import PICKLE, LoadedEncoder, detect_kind
 from featbake.keys import sha256_file, sha256_hex
 from featbake.progress import Progress
 from featbake.store.byteplace import BytePlace, Digest, bytes_at
 from featbake.store.containers import Holder, ReadBack
 from featbake.store.hash_cache import ENCODER_FP_PREFIX, FileStat, HashCache, HashRow
 from featbake.threadpool import map_in_threads
+
+if TYPE_CHECKING:
+    from featbake.encode.encoders import LoadedEncoder
 
 # == held ==========================================================================================
 # Input bytes kept from hashing for decoding: a first build reads each input once.
@@ -511,6 +519,8 @@ def encoder_cache_id(encoder: LoadedEncoder, weights: str | None) -> tuple[str, 
     too: its id includes the identity beside the file, under an ``encoder-fp:pickle:`` prefix
     that :func:`cached_file_encoder_fp` never looks up (a pickle cannot be vouched for unloaded).
     """
+    from featbake.encode.encoders import PICKLE  # torch: not at import (see the module's doc)
+
     if weights is not None:
         ident = sha256_hex(f"{encoder.identity}\n{resolve_path(weights)}".encode())
         return f"{ENCODER_FP_PREFIX}import:{ident}", weights
@@ -534,6 +544,8 @@ def cached_file_encoder_fp(catalog: HashCache, path: str | os.PathLike[str]) -> 
     Always None for a pickled module: its fingerprint depends on its class's source code too,
     which only loading it reveals (and the build never caches it under this file id).
     """
+    from featbake.encode.encoders import PICKLE, detect_kind  # torch: see the module's doc
+
     if detect_kind(Path(path)) == PICKLE:
         return None  # also ignores file-id entries written before pickles were keyed by code
     ident = file_encoder_cache_id(path)

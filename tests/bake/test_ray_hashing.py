@@ -21,8 +21,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from featbake.bake import pipeline
-from featbake.bake.pipeline import ENGINE_PROTOCOL, CarriedError
+from featbake.bake import ray_hashing
+from featbake.bake.engine_wire import ENGINE_PROTOCOL, CarriedError
 from featbake.bake.ray_engine import (
     CLUSTER_HASHING_FROM,
     HASH_TASKS_PER_CPU,
@@ -373,7 +373,8 @@ def test_what_a_hashing_task_did_before_its_error_reaches_the_driver_before_the_
     # hash cache by hash_inputs), then raises the error as its own class.
     from types import SimpleNamespace
 
-    from featbake.bake.ray_engine import as_returned, hashed_batch
+    from featbake.bake.ray_engine import as_returned
+    from featbake.bake.ray_hashing import hashed_batch
     from featbake.errors import StoreError
 
     def results() -> Iterator[str]:
@@ -456,7 +457,7 @@ def test_a_hashing_task_on_another_node_compares_size_and_mtime_not_its_mounts_i
     driver = this_host()
     stats = {p: moved(FileStat.of(p), shift) for p in paths}
     if worker_host is not None:  # the task's host; the driver's was named before
-        monkeypatch.setattr(pipeline, "this_host", lambda: worker_host)
+        monkeypatch.setattr(ray_hashing, "this_host", lambda: worker_host)
     batch = digest_batch([DigestAsk(p, stats[p]) for p in paths], driver, ENGINE_PROTOCOL)
     assert batch.error is None
     got = {d.path: d.got for d in batch.digested}
@@ -488,7 +489,7 @@ def test_a_container_task_on_another_node_compares_size_and_mtime_not_its_mounts
         listed = {a.container: moved(want[a.container].stat, shift) for a in asked.asks}
         with monkeypatch.context() as m:
             if worker_host is not None:
-                m.setattr(pipeline, "this_host", lambda: worker_host)
+                m.setattr(ray_hashing, "this_host", lambda: worker_host)
             batch = read_batch(sent, this_host(), ENGINE_PROTOCOL)
         assert batch.error is None
         got = {c.container: c.got for c in batch.digested}
@@ -518,7 +519,7 @@ class InlineRay:
     def run(self, task: Callable[..., Any], *args: Any) -> Any:
         self.before()
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(pipeline, "this_host", lambda: self.host)
+            m.setattr(ray_hashing, "this_host", lambda: self.host)
             return task(*args)
 
     def wait(self, pending: list[Any], num_returns: int) -> tuple[list[Any], list[Any]]:

@@ -1,18 +1,33 @@
 """How a Ray build sizes its tasks (featbake.bake.ray_engine.rows_per_task): pure, so checked
-over every build size here, without Ray."""
+over every build size here, without Ray; and what a hashing task's process imports (a fresh
+interpreter given the task as Ray sends it: pickled by its module's name)."""
 
 from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from featbake.bake.engine_wire import ENGINE_PROTOCOL
 from featbake.bake.ray_engine import (
     MOST_ROWS_PER_TASK,
     ROWS_PER_TASK,
     TASKS_PER_WORKER,
     RayEngine,
+    digest_batch,
     rows_per_task,
 )
+from featbake.encode.fingerprints import DigestAsk
+from featbake.store.byteplace import Digest
+from featbake.store.claims import this_host
+from featbake.store.hash_cache import FileStat
+from tests.conftest import REPO
 
 
 @settings(max_examples=500, deadline=None)
@@ -41,3 +56,41 @@ def test_a_large_build_makes_a_thousand_tasks_not_a_hundred_and_fifty_thousand()
 def test_an_asked_task_size_is_kept(asked: int, inputs: int) -> None:
     assert rows_per_task(inputs, 3, asked) == asked
     assert RayEngine(workers=3, rows_per_task=asked).rows_per_task == asked
+
+
+#: A Ray worker's part, in a fresh interpreter: the task and its arguments unpickled from stdin
+#: (importing the task's module, as a worker does before its first task), run, and its result
+#: pickled to stdout with the heavy modules the process had imported by then.
+RUN_A_TASK = """
+import pickle, sys
+task, args = pickle.loads(sys.stdin.buffer.read())
+done = task(*args)
+heavy = sorted(m for m in ("torch", "numpy", "featbake.bake.pipeline") if m in sys.modules)
+sys.stdout.buffer.write(pickle.dumps((done, heavy)))
+"""
+
+
+def test_a_hashing_task_runs_in_a_process_that_imports_no_torch(tmp_path: Path) -> None:
+    """Round fourteen, the suite's cost: a Ray task hashing files (``digest_batch``) was a
+    function of bake/ray_engine.py, which Ray pickles by its module's name: each worker process
+    imported that module, and with it torch and the build's pipeline (3-4 s of CPU a process
+    here), to read and hash bytes. The task's module (bake/ray_hashing.py) and the byte hashing
+    it runs (encode/fingerprints.py) now import no torch: the same digests, none of it loaded."""
+    (tmp_path / "data").mkdir()
+    paths = [str(tmp_path / "data" / f"f{i}.bin") for i in range(3)]
+    for i, p in enumerate(paths):
+        Path(p).write_bytes(os.urandom(1000 + i))
+    asks = [DigestAsk(p, FileStat.of(p)) for p in paths]
+    sent = pickle.dumps((digest_batch, (asks, this_host(), ENGINE_PROTOCOL)))
+    assert b"featbake.bake.ray_hashing" in sent and b"ray_engine" not in sent  # by its name
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_A_TASK], input=sent, capture_output=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr.decode()
+    done, heavy = pickle.loads(proc.stdout)
+    assert heavy == []
+    assert done.error is None
+    want = {p: Digest(FileStat.of(p), hashlib.sha256(Path(p).read_bytes()).hexdigest())
+            for p in paths}  # fmt: skip
+    assert {d.path: d.got for d in done.digested} == want

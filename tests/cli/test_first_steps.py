@@ -4,18 +4,17 @@ do, and each example a command's help shows pastes as one command."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import click
+import pytest
 import torch
 import typer
 
 import featbake.cli.main  # noqa: F401  (registers every command on the app)
 from featbake.cli.app import app
 from featbake.testing import TinyConvEncoder
-from tests.conftest import run_cli
+from tests.conftest import invoke, run_cli
 from tests.helpers import bake
 
 
@@ -64,7 +63,7 @@ def test_a_mistyped_option_or_command_is_one_red_line_naming_the_help(tmp_path: 
 
 
 def test_a_state_dict_given_as_weights_says_how_to_convert_it(
-    tmp_path: Path, audio_dir: Path
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`--weights` reads safetensors; a `torch.save` state dict failed with safetensors' own
     "header too large", which names no fix. The line now gives the conversion, and the
@@ -75,14 +74,17 @@ def test_a_state_dict_given_as_weights_says_how_to_convert_it(
     )
     torch.save(TinyConvEncoder(seed=7).state_dict(), tmp_path / "sd.pt")
     args = ["build", "--encoder", "mymodels:build", "--data", audio_dir, "--cache", "store"]
-    done = run_cli(*args, "--weights", "sd.pt", cwd=tmp_path)
+    done = run_cli(*args, "--weights", "sd.pt", cwd=tmp_path)  # the line as a user sees it
     assert done.returncode == 4, done.stderr
     assert len(done.stderr.splitlines()) == 1, done.stderr
     call = re.search(r"safetensors\.torch\.save_file\(torch\.load\('.+?'\), '.+?'\)", done.stderr)
     assert call is not None, done.stderr
     convert = f"import torch, safetensors.torch\n{call[0]}"
-    subprocess.run([sys.executable, "-c", convert], cwd=tmp_path, check=True)
-    done = run_cli(*args, "--weights", "sd.safetensors", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # pasted where the build ran, run here: no torch imported again
+    exec(compile(convert, "<pasted>", "exec"), {})
+    # The build that takes them, in this process (the module on the path as cwd puts it there).
+    done = invoke(*args, "--weights", "sd.safetensors", cwd=tmp_path,
+                  env={"PYTHONPATH": str(tmp_path)})  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert re.search(r"encoded\s+16\b", done.stdout), done.stdout
 
@@ -93,13 +95,15 @@ def test_export_of_a_part_a_plain_tensor_root_lacks_says_to_drop_the_choice(
     """A single-tensor encoder's root stores one part named '' : the refusal of `--output
     pooled` read "(it stores '')", which names nothing a user can pass."""
     bake(audio_dir, encoder_file, store_dir)
-    for choice in (["--output", "pooled"], ["--layers", "6"]):
-        done = run_cli("export", "--cache", store_dir, "--format", "zarr", tmp_path / "f.zarr",
-                       *choice)  # fmt: skip
+    # The first refusal in a process of its own (its stderr whole, as a user sees it), the
+    # rest in this one (the same command and output, without importing torch again).
+    for run, choice in ((run_cli, ["--output", "pooled"]), (invoke, ["--layers", "6"])):
+        done = run("export", "--cache", store_dir, "--format", "zarr", tmp_path / "f.zarr",
+                   *choice)  # fmt: skip
         assert done.returncode == 2, done.stderr
         assert len(done.stderr.splitlines()) == 1 and "''" not in done.stderr, done.stderr
         assert "without --output and --layers" in done.stderr, done.stderr
-    done = run_cli("export", "--cache", store_dir, "--format", "zarr", tmp_path / "f.zarr")
+    done = invoke("export", "--cache", store_dir, "--format", "zarr", tmp_path / "f.zarr")
     assert done.returncode == 0 and "(ragged;" in done.stdout, done.stderr
 
 
@@ -121,8 +125,9 @@ def test_a_file_given_as_data_is_said_to_be_a_file(
     """One clip, or the encoder with the options swapped, as `--data` read "data folder X does
     not exist or is not a directory" of a file that plainly exists."""
     clip = next(audio_dir.rglob("*.wav"))
-    for encoder, data in ((encoder_file, clip), (audio_dir, encoder_file)):
-        done = run_cli("build", "--encoder", encoder, "--data", data, "--cache", tmp_path / "c")
+    # The first in a process of its own (its stderr whole), the second in this one.
+    for run, encoder, data in ((run_cli, encoder_file, clip), (invoke, audio_dir, encoder_file)):
+        done = run("build", "--encoder", encoder, "--data", data, "--cache", tmp_path / "c")
         assert done.returncode == 8, done.stderr
         lines = done.stderr.splitlines()
         assert len(lines) == 1 and f"{data} is a file, not a folder" in lines[0], done.stderr

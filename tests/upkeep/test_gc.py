@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import signal
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from contextlib import closing
@@ -41,7 +45,7 @@ from featbake.upkeep import (
     stats,
     verify,
 )
-from tests.conftest import invoke, run_cli
+from tests.conftest import REPO, invoke
 from tests.helpers import (
     Live,
     age,
@@ -190,11 +194,12 @@ def test_gc_killed_at_every_step_leaves_a_clean_store_and_a_rerun_finishes(
     assert done.orphans_removed == 1 and done.tmp_removed == 1
     want = (sorted(shard_files(reference).values()), _rows(reference))
 
-    for point in CRASH_POINTS:
-        store = tmp_path / f"crash-{point}"
+    stores = {point: tmp_path / f"crash-{point}" for point in CRASH_POINTS}
+    for store in stores.values():
         shutil.copytree(pristine, store)
-        proc = run_cli("gc", "--cache", store, *GC_ARGS, env={CRASH_ENV: point})
-        assert proc.returncode == -signal.SIGKILL, f"{point}: gc never reached it\n{proc.stderr}"
+    killed = killed_at_each_point(stores)
+    for point, store in stores.items():
+        assert killed[point] == -signal.SIGKILL, f"{point}: gc never reached it\n{killed['']}"
         report = verify(store)
         assert report.status == "clean", (point, report.findings)
         gc(store, **GC_OPTS)  # the rerun finishes the job ...
@@ -210,6 +215,55 @@ def test_gc_killed_at_every_step_leaves_a_clean_store_and_a_rerun_finishes(
             age(f, 7200)
         gc(store, **GC_OPTS)
         assert (sorted(shard_files(store).values()), _rows(store)) == want, point
+
+
+#: `featbake gc` killed at each step: one interpreter imports the command once, then forks a
+#: child per step that runs ``featbake gc`` over that step's store with ``$CRASH_ENV`` naming
+#: the step, and waits for it (a process of its own, SIGKILLed where gc reaches the step, as a
+#: `featbake gc` started afresh is: nothing ran in the parent before the fork but the imports
+#: a gc run makes, done once there).
+#: Prints each step's exit status (negative: the signal), and the children's stderr under "".
+KILL_LOOP = """
+import contextlib, json, os, sys, traceback
+from featbake.cli.main import main
+import featbake.store.open, featbake.upkeep  # what a gc run imports: once, before the forks
+with contextlib.suppress(ImportError):
+    import pydantic  # typer's, for parsing the options
+
+env, args, stores = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+status = {}
+for point, store in stores.items():
+    pid = os.fork()
+    if pid == 0:
+        os.environ[env] = point
+        code = 0  # gc finished: it never reached the step
+        try:
+            main(["gc", "--cache", store, *args])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 70
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # never back into the loop
+    status[point] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print(json.dumps(status))
+"""
+
+
+def killed_at_each_point(stores: dict[str, Path]) -> dict[str, object]:
+    """``featbake gc`` (:data:`GC_ARGS`) over each store, killed at its step (:data:`KILL_LOOP`):
+    step -> the exit status of the process that ran it, and "" -> their stderr."""
+    paths = {point: str(store) for point, store in stores.items()}
+    done = subprocess.run(
+        [sys.executable, "-c", KILL_LOOP, CRASH_ENV, json.dumps(GC_ARGS), json.dumps(paths)],
+        capture_output=True, text=True, timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "FEATBAKE_DEBUG"} | {
+            "PYTHONPATH": str(REPO), "COLUMNS": "200"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return {**json.loads(done.stdout.splitlines()[-1]), "": done.stderr}
 
 
 def _rows(store: Path) -> set[tuple[str, str]]:
