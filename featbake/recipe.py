@@ -12,27 +12,41 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from featbake.errors import ConfigError
 from featbake.image_recipe import ImageRecipe
 from featbake.keys import recipe_fingerprint
 from featbake.quantize import Scheme, scheme_of
 
+if TYPE_CHECKING:  # torch is loaded where a dtype is asked for: a recipe is read, checked and
+    # keyed by processes that never make a tensor (a Ray task hashing a container's inputs)
+    import torch
+
 #: Bump when featbake's preprocessing changes in a way that changes outputs for the same options.
 RECIPE_VERSION = 1
 
-#: Stored dtype name -> the dtype of the stored tensor. ``int8`` and ``fp8`` (e4m3) are stored
-#: packed, a float32 scale per row after its codes (see :mod:`featbake.quantize`).
-STORED_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int8": Scheme.INT8.packed_dtype,
-    "fp8": Scheme.FP8.packed_dtype,
-}
+#: The stored dtypes' names, as ``--dtype`` takes them.
+STORED_DTYPE_NAMES = ("float32", "float16", "bfloat16", "int8", "fp8")
+
+
+def stored_dtypes() -> dict[str, torch.dtype]:
+    """Stored dtype name -> the dtype of the stored tensor. ``int8`` and ``fp8`` (e4m3) are
+    stored packed, a float32 scale per row after its codes (see :mod:`featbake.quantize`).
+
+    Example:
+        >>> stored_dtypes()["float16"], stored_dtypes()["int8"]
+        (torch.float16, torch.int8)
+    """
+    import torch
+
+    return {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "int8": Scheme.INT8.packed_dtype,
+        "fp8": Scheme.FP8.packed_dtype,
+    }
 SOURCE_KINDS = ("audio", "npy", "image", "text")
 #: Bump when featbake's text decoding or tokenising changes ids for the same text recipe.
 TEXT_VERSION = 1
@@ -177,10 +191,10 @@ class Recipe:
             raise ConfigError(
                 f"unknown source kind {self.source!r}; choose one of {', '.join(SOURCE_KINDS)}"
             )
-        if self.dtype not in STORED_DTYPES:
+        if self.dtype not in STORED_DTYPE_NAMES:
             raise ConfigError(
                 f"unsupported stored dtype {self.dtype!r}; choose one of "
-                f"{', '.join(STORED_DTYPES)} (e.g. --dtype float16 or --dtype int8)"
+                f"{', '.join(STORED_DTYPE_NAMES)} (e.g. --dtype float16 or --dtype int8)"
             )
         self._check_numbers()
         if self.precision not in PRECISIONS:
@@ -242,7 +256,7 @@ class Recipe:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The dtype of the stored tensors (``int8``/``uint8`` packed for int8 and fp8)."""
-        return STORED_DTYPES[self.dtype]
+        return stored_dtypes()[self.dtype]
 
     @property
     def scheme(self) -> Scheme | None:
@@ -253,6 +267,8 @@ class Recipe:
     def encode_dtype(self) -> torch.dtype:
         """The float dtype encoder outputs are taken in before storing: the stored dtype, or
         float32 for a quantised one (quantised from float32, so the scale sees every bit)."""
+        import torch
+
         return torch.float32 if self.scheme is not None else self.torch_dtype
 
     def as_dict(self) -> dict[str, Any]:

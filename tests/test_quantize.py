@@ -34,7 +34,7 @@ from featbake.quantize import (
     scheme_of,
     unpack,
 )
-from featbake.recipe import STORED_DTYPES as SERVED_DTYPES
+from featbake.recipe import stored_dtypes
 from featbake.recipe import Recipe
 from featbake.serve.collate import PaddedBatch, pad_collate
 from featbake.serve.dataset import CachedFeatureDataset
@@ -823,7 +823,7 @@ def test_a_row_scale_that_is_not_finite_is_a_damaged_shard_on_every_path(
 
     ds = dataset()
     want = [
-        dequantize(p, scheme, SERVED_DTYPES[serve_dtype]) for p in _want(encoder_file, ds, scheme)
+        dequantize(p, scheme, stored_dtypes()[serve_dtype]) for p in _want(encoder_file, ds, scheme)
     ]
     bad = 5
     shard = _damage_a_scale(store_dir, ds._index.key(bad), row=1, scale=scale)

@@ -20,17 +20,19 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any, BinaryIO, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
-import torch
 
-from featbake.encode.hf import load_tokenizer, tokenizer_files_digest
 from featbake.errors import ConfigError, SourceError, last_line
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe, TextRecipe
 from featbake.store.byteplace import bytes_at, not_an_input, printable
 from featbake.store.hash_cache import FileStat
+
+if TYPE_CHECKING:  # torch is loaded where a tensor is made: a process that only lists, scans or
+    # hashes inputs (a Ray hashing task unpickling a container's reading) never imports it
+    import torch
 
 
 class Source(Protocol):
@@ -182,6 +184,8 @@ class AudioSource:
         audio = np.ascontiguousarray(audio.T, dtype=np.float32)  # [C, T]
         if self.recipe.normalize:
             audio = zero_mean_unit_var(audio)
+        import torch
+
         return torch.from_numpy(audio[0] if self.recipe.mono else audio)
 
     def _read(
@@ -269,6 +273,8 @@ class NpySource:
             raise SourceError(f"{path}: the array is empty")
         if not np.issubdtype(arr.dtype, np.number):
             raise SourceError(f"{path}: arrays of dtype {arr.dtype} cannot be encoded")
+        import torch
+
         return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
 
 
@@ -341,6 +347,8 @@ class TextSource(ProcessLocalState):
                 f"{name}: the text is {len(ids)} tokens, over max_length {steps.max_length}; "
                 "shorten it, or let featbake cut it (drop --no-truncate)"
             )
+        import torch
+
         return torch.tensor(ids, dtype=torch.int64)
 
 
@@ -384,6 +392,8 @@ def load_text_tokenizer(steps: TextRecipe) -> Any:
         ConfigError: the tokenizer's files changed since the recipe was made.
         EncoderLoadError: transformers cannot read the tokenizer.
     """
+    from featbake.encode.hf import load_tokenizer, tokenizer_files_digest
+
     tokenizer = load_tokenizer(steps.folder)
     if tokenizer_files_digest(steps.folder, type(tokenizer).__name__) != steps.tokenizer:
         raise ConfigError(

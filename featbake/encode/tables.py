@@ -35,8 +35,6 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple, cast
 
-import torch
-
 from featbake.encode.fingerprints import (
     Digester,
     HeldBytes,
@@ -68,6 +66,7 @@ from featbake.store.objects import object_stat
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    import torch
 
 #: The hash-cache id prefix of a bucket's parquet file: its schema and row ids (see
 #: :meth:`Table._listing`).

@@ -34,9 +34,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, ClassVar, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple
 
 from featbake.encode.fingerprints import (
     Digester,
@@ -66,6 +64,9 @@ from featbake.store.containers import (
 from featbake.store.hash_cache import FileStat, HashCache, HashRow
 from featbake.store.objects import ObjectInfo, object_stat
 from featbake.units import counted
+
+if TYPE_CHECKING:
+    import torch
 
 # A webdataset shard is a plain tar; the members of one sample are consecutive and share a key:
 # the member's name up to the first dot of its last path component (webdataset's

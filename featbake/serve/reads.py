@@ -40,7 +40,7 @@ from featbake.quantize import (
     dequantize_unpacked,
     unpack,
 )
-from featbake.recipe import STORED_DTYPES, Recipe
+from featbake.recipe import Recipe, stored_dtypes
 from featbake.serve.collate import PaddedBatch, alloc_batch
 from featbake.serve.index import Index
 from featbake.serve.state import Located, ProcessState, mapped_empty
@@ -89,7 +89,7 @@ from featbake.store.shard import (
 # float16, or
 # float32 for features past float16's range (~1e7) or below its precision (~1e-6).
 #: Dtypes a quantised store may be served in.
-SERVE_DTYPES = {name: STORED_DTYPES[name] for name in ("float32", "float16", "bfloat16")}
+SERVE_DTYPES = {name: stored_dtypes()[name] for name in ("float32", "float16", "bfloat16")}
 
 
 #: The error for a batch whose rows at these positions have a scale that is not finite (the
