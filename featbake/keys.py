@@ -537,6 +537,10 @@ class _Known:
 
 
 _EMPTY = _Slot(frozenset(), frozenset(), frozenset())
+#: A path's mark that an attribute may still hold its value from before the run (a local of
+#: its own, by name): cleared by a write on the path, kept where any path joining keeps it.
+_OLD = _Slot(frozenset({("old",)}), frozenset(), frozenset())
+_OLD_MARK = "#old:"
 _RAISED = _Slot(frozenset({_UNKNOWN}), frozenset(), frozenset())
 _SELF_SLOT = _Slot(frozenset({_SELF}), frozenset({_SELF}), frozenset())
 
@@ -578,6 +582,8 @@ class _Facts:
     pending: list[Any] = dataclasses.field(default_factory=list)
     scopes: dict[Any, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     depth: dict[Any, int] = dataclasses.field(default_factory=dict)
+    read_old: set[str] = dataclasses.field(default_factory=set)
+    guards: set[str] = dataclasses.field(default_factory=set)
 
     def add(self, table: dict[Any, set[Any]], key: Any, tokens: Iterable[Any]) -> None:
         table.setdefault(key, set()).update(tokens)
@@ -655,11 +661,14 @@ def fresh_writes(codes: list[Any], cls: type | None) -> frozenset[str]:
         if not _Interpreter(code, facts).run():
             _unread(code, facts)
     own = {_key(c) for c in codes}
-    return frozenset(
+    fresh = {
         name
         for (key, _, name), made in facts.writes.items()
         if key in own and not _reaches(made, name, facts)
-    )
+    }
+    # one whose value from before the run may be used (read where the path has not written it)
+    # is the forward's own only where a condition reads it (a lazy table's ``self.pe is None``)
+    return frozenset(n for n in fresh if n in facts.guards or n not in facts.read_old)
 
 
 def argument_names(code: Any) -> tuple[str, ...]:
@@ -965,7 +974,7 @@ class _Interpreter:
             if self.key in self.facts.clean
             else _Slot(frozenset({("param", self.key)}), frozenset(), frozenset())
         )
-        names = {}
+        names = {_OLD_MARK + str(op.argval): _OLD for op in self.ins if op.opname == "STORE_ATTR"}
         for name in argument_names(code):
             slot = _SELF_SLOT if name in self.facts.selfs else given
             names[name] = slot
@@ -994,7 +1003,7 @@ class _Interpreter:
         elif name.endswith("DEREF") or name in ("LOAD_CLOSURE", "LOAD_CLASSDEREF"):
             self._cell(op, stack)
         elif name in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"):
-            self._attribute(op, stack)
+            self._attribute(op, stack, names)
         elif name in ("STORE_ATTR", "STORE_SUBSCR", "STORE_SLICE"):
             self._store(op, stack, names)
         elif name.startswith("CALL") or name == "BEFORE_WITH":
@@ -1015,6 +1024,8 @@ class _Interpreter:
         with the stack its path leaves (a condition popped, ``x or y`` kept, an iterator's
         next item pushed as the iterator it comes of)."""
         target = self.at[op.argval]
+        if "IF" in op.opname and stack:  # a condition: the attributes it reads guard writes
+            self.facts.guards.update(t[1] for t in stack[-1].made if t[0] == "attr")
         out = []
         for jump in (True, False):
             if not jump and op.opname in _ALWAYS_JUMPS:
@@ -1071,7 +1082,7 @@ class _Interpreter:
         elif op.opname == "STORE_DEREF":
             self.facts.add(self.facts.cells, cell, stack.pop().made)
 
-    def _attribute(self, op: Any, stack: list[_Slot]) -> None:
+    def _attribute(self, op: Any, stack: list[_Slot], names: dict[str, _Slot]) -> None:
         """An attribute read. Of self: its token (a setting, state), or for a method the code
         it runs (its returns come with its calls; a property's with the read); an attribute
         that reads any by name (``__dict__``) is self. Of another value: the value's tokens."""
@@ -1096,6 +1107,8 @@ class _Interpreter:
             rest |= {_SELF}
         found = self.facts.method(name, self.code if through_super else None)
         if found is None:
+            if names.get(_OLD_MARK + name, _OLD).made:  # not written on this path yet
+                self.facts.read_old.add(name)
             token = frozenset({("attr", name)})
             slot = _Slot(rest | token, token, frozenset())
         elif found[1]:  # a property: its getter runs now
@@ -1116,6 +1129,8 @@ class _Interpreter:
                 self.facts.add(self.facts.writes, write, value.made)
                 self.facts.add(self.facts.stored, str(op.argval), value.made)
                 owner = owner._replace(alias=owner.alias - {_SELF})
+                names[_OLD_MARK + str(op.argval)] = _EMPTY  # written on this path
+                self.changed = True
             self._change(owner.alias, value.made, names)
             return
         count = 3 if op.opname == "STORE_SUBSCR" else 4

@@ -186,13 +186,14 @@ class _ThroughCallableAttribute(_Outside):
         super().__init__()
         self.reader = functools.partial(_current, self)
 
-    def rewrite(self, wav: torch.Tensor) -> None:
-        self.scale = self.reader()
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        self.scale = self.reader()  # written, then read on the same path
+        return TinyConvEncoder.forward(self, wav) * self.scale
 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="r14k.5: a callable the instance holds (set outside the forward) is read as a "
+    reason="r14k.4: a callable the instance holds (set outside the forward) is read as a "
     "value made of nothing the forward reads; derived_attributes reads the class, not what "
     "an instance holds, so scale is taken as made anew",
 )
@@ -272,28 +273,32 @@ class _OneStatementEitherWay(_Outside):
         self.scale = torch.ones(()) if wav.numel() < 0 else self.scale.to(wav.device)
 
 
+class _DefaultWhereUnset(_Outside):
+    """Made anew where unset (None), the user's value kept otherwise: a condition reads it,
+    as a lazy table's does."""
+
+    def rewrite(self, wav: torch.Tensor) -> None:
+        if self.scale is None:
+            self.scale = torch.ones(())
+
+
 @pytest.mark.parametrize(
     "cls",
     [
         _OneStatementEitherWay,
+        _MovedOrReset,
+        _ResetOrKept,
         pytest.param(
-            _MovedOrReset,
+            _DefaultWhereUnset,
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="r14k.2: a write made anew on one path makes the attribute derived "
-                "state though another path moves the user's value on (a lazy table needs it)",
-            ),
-        ),
-        pytest.param(
-            _ResetOrKept,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="r14k.2: a write made anew on a path no input takes makes the attribute "
-                "derived state though the user's value is used on the other",
+                reason="r14k.3: a write made anew under a condition reading the attribute "
+                "(a lazy table's `self.pe is None`) makes it derived state, so the user's "
+                "value the same code keeps otherwise is neither keyed nor watched",
             ),
         ),
     ],
-    ids=["one-statement", "moved-or-reset", "reset-or-kept"],
+    ids=["one-statement", "moved-or-reset", "reset-or-kept", "default-where-unset"],
 )
 def test_a_setting_made_anew_on_one_path_only_stays_keyed(
     tmp_path: Path, audio_dir: Path, cls: type
