@@ -637,9 +637,12 @@ def _defines(klass: type, code: Any) -> bool:
 def fresh_writes(codes: list[Any], cls: type | None) -> frozenset[str]:
     """The attributes of self that ``codes`` (a class's forward first, and the code it
     reaches: :func:`forward_code`) write at least once with a value made anew: of nothing
-    but the forward's inputs, constants, globals and other attributes (see above). The
-    forward's arguments are its inputs; another method's are what its calls pass; a nested
-    function's, what the code calling it passes."""
+    but the forward's inputs, constants, globals and other attributes (see above), and whose
+    value from before the run no path uses (read where the path has not written it), unless
+    a condition reads the attribute (a lazy table's ``if self.pe is None``). The forward's
+    arguments are its inputs; another method's are what its calls pass; a nested function's,
+    what the code calling it passes; a function of the user's outside the class (``cls``
+    given: the class's own code is read with its globals), what its callers pass."""
     selfs = {"self"} | {c.co_varnames[0] for c in codes if c.co_argcount and _method_code(c)}
     facts = _Facts(cls, frozenset(selfs), clean={_key(codes[0])} if codes else set())
     facts.pending = list(codes)
