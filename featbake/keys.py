@@ -584,6 +584,8 @@ class _Facts:
     depth: dict[Any, int] = dataclasses.field(default_factory=dict)
     read_old: set[str] = dataclasses.field(default_factory=set)
     guards: set[str] = dataclasses.field(default_factory=set)
+    exit_old: dict[Any, set[str]] = dataclasses.field(default_factory=dict)
+    written: dict[Any, frozenset[str]] = dataclasses.field(default_factory=dict)
 
     def add(self, table: dict[Any, set[Any]], key: Any, tokens: Iterable[Any]) -> None:
         table.setdefault(key, set()).update(tokens)
@@ -643,6 +645,32 @@ def fresh_writes(codes: list[Any], cls: type | None) -> frozenset[str]:
     arguments are its inputs; another method's are what its calls pass; a nested function's,
     what the code calling it passes; a function of the user's outside the class (``cls``
     given: the class's own code is read with its globals), what its callers pass."""
+    written: dict[Any, frozenset[str]] = {}
+    for _ in range(_WRITE_ROUNDS):
+        facts = _read_codes(codes, cls, written)
+        own = {_key(c) for c in codes}
+        fresh = {
+            name
+            for (key, _, name), made in facts.writes.items()
+            if key in own and not _reaches(made, name, facts)
+        }
+        # one whose value from before the run may be used (read where the path has not
+        # written it) is the forward's own only where a condition reads it (a lazy table's)
+        old = fresh & facts.read_old - facts.guards
+        if not old or facts.written == written:
+            return frozenset(fresh - old)
+        written = facts.written  # the methods' writes known now: read again with them
+    return frozenset(fresh - old)
+
+
+#: How many times a class's code is read, each with what the methods it calls write on every
+#: path (a forward calling a method that writes what it reads next), before the answer stands.
+_WRITE_ROUNDS = 3
+
+
+def _read_codes(codes: list[Any], cls: type | None, written: dict[Any, frozenset[str]]) -> _Facts:
+    """One reading of ``codes`` (:func:`fresh_writes`), ``written`` what each method writes on
+    every path that returns (from the reading before)."""
     selfs = {"self"} | {c.co_varnames[0] for c in codes if c.co_argcount and _method_code(c)}
     facts = _Facts(cls, frozenset(selfs), clean={_key(codes[0])} if codes else set())
     facts.pending = list(codes)
@@ -661,17 +689,12 @@ def fresh_writes(codes: list[Any], cls: type | None) -> frozenset[str]:
         for c in nested:
             if _key(code) in facts.depth:
                 facts.depth.setdefault(_key(c), facts.depth[_key(code)])
-        if not _Interpreter(code, facts).run():
+        reading = _Interpreter(code, facts, written)
+        if not reading.run():
             _unread(code, facts)
-    own = {_key(c) for c in codes}
-    fresh = {
-        name
-        for (key, _, name), made in facts.writes.items()
-        if key in own and not _reaches(made, name, facts)
-    }
-    # one whose value from before the run may be used (read where the path has not written it)
-    # is the forward's own only where a condition reads it (a lazy table's ``self.pe is None``)
-    return frozenset(n for n in fresh if n in facts.guards or n not in facts.read_old)
+        elif _key(code) in facts.exit_old:
+            facts.written[_key(code)] = reading.stores - frozenset(facts.exit_old[_key(code)])
+    return facts
 
 
 def argument_names(code: Any) -> tuple[str, ...]:
@@ -893,8 +916,11 @@ _State = tuple[tuple[_Slot, ...], dict[str, _Slot]]
 class _Interpreter:
     """One code object read as data flow into :class:`_Facts` (see above)."""
 
-    def __init__(self, code: Any, facts: _Facts) -> None:
+    def __init__(
+        self, code: Any, facts: _Facts, written: Mapping[Any, frozenset[str]] | None = None
+    ) -> None:
         self.code = code
+        self.written = written or {}
         self.facts = facts
         self.key = _key(code)
         self.ins = list(dis.get_instructions(code))
@@ -902,6 +928,7 @@ class _Interpreter:
         self.handler: dict[int, tuple[int, int, bool]] = {}
         self.changed = True  # whether the last op changed a local (the handlers see it)
         self.scope = facts.scopes.get(self.key)  # its globals, where it is the user's code
+        self.stores = frozenset(str(op.argval) for op in self.ins if op.opname == "STORE_ATTR")
         self.known: dict[int, _Known] = {}
         entries: Any = getattr(dis.Bytecode(code), "exception_entries", [])  # 3.11+: typed later
         for e in entries:
@@ -977,7 +1004,7 @@ class _Interpreter:
             if self.key in self.facts.clean
             else _Slot(frozenset({("param", self.key)}), frozenset(), frozenset())
         )
-        names = {_OLD_MARK + str(op.argval): _OLD for op in self.ins if op.opname == "STORE_ATTR"}
+        names = {_OLD_MARK + name: _OLD for name in self.stores}
         for name in argument_names(code):
             slot = _SELF_SLOT if name in self.facts.selfs else given
             names[name] = slot
@@ -989,6 +1016,9 @@ class _Interpreter:
         """The states after ``op``: ``(index, stack, locals)`` of each op that may run next."""
         if op.opname in ("RETURN_VALUE", "YIELD_VALUE"):
             self.facts.add(self.facts.returns, self.key, stack[-1].made)
+        if op.opname in ("RETURN_VALUE", "RETURN_CONST"):  # what this path has not written
+            old = {k[len(_OLD_MARK) :] for k, v in names.items() if k[:1] == "#" and v.made}
+            self.facts.add(self.facts.exit_old, self.key, old)
         if op.opname in _ENDS:
             return []
         if op.opcode in dis.hasjrel or op.opcode in dis.hasjabs:
@@ -1180,6 +1210,10 @@ class _Interpreter:
         if _OPAQUE in inputs.callee:
             made.add(_UNKNOWN)
         called = 2 if op.opname in ("CALL", "CALL_KW") else 1  # a global called is not changed
+        for callee in _joined(taken[:called]).callee:  # a method writing on every path
+            for name in self.written.get(callee, ()):
+                names[_OLD_MARK + name] = _EMPTY
+                self.changed = True
         changed = _joined(taken[called:]).alias | {
             a for s in taken[:called] for a in s.alias if a[0] != "global"
         }

@@ -520,3 +520,24 @@ def test_a_hook_importing_by_importlib_keeps_its_key_when_nothing_read_changes(
     module = _hooked(hooks.by_import_module, pre=True)
     again = _baked_then_reopened(audio_dir, module, tmp_path)
     _assert_live(again, module, 1)
+
+
+class _GainOfInput(TinyConvEncoder):
+    """A gain made from the input by a method the forward calls, then read: written on every
+    path before it is read, derived state."""
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        self.measure(wav)
+        return super().forward(wav * self.gain)
+
+    def measure(self, wav: torch.Tensor) -> None:
+        self.gain = 1.0 + wav.abs().mean()
+
+
+def test_a_value_a_method_writes_on_every_path_before_the_forward_reads_it_stays_derived(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    assert "gain" in derived_attributes(_GainOfInput)
+    module = _GainOfInput().eval()
+    again = _baked_then_reopened(audio_dir, module, tmp_path, n=2)
+    _assert_live(again, module, 2)
