@@ -15,14 +15,20 @@ Keys are never shortened in storage: their soundness rests on SHA-256's collisio
 
 from __future__ import annotations
 
+import builtins
 import collections
 import dataclasses
 import dis
+import enum
+import functools
 import hashlib
 import heapq
 import inspect
 import json
 import os
+import sys
+import sysconfig
+import types
 import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -504,6 +510,9 @@ _SELF = ("self",)
 _UNKNOWN = ("unknown",)
 #: A callee mark: the value is ``super()`` (its attributes are the next class's).
 _SUPER = ("super",)
+#: A callee mark: calling the value runs code no reading follows (a class of the user's, a
+#: function of the user's past :data:`_FOLLOW_DEPTH`): its result is anything.
+_OPAQUE = ("opaque",)
 
 
 class _Slot(NamedTuple):
@@ -514,9 +523,24 @@ class _Slot(NamedTuple):
     made: frozenset[Any]
     alias: frozenset[Any]
     callee: frozenset[Any]
+    known: _Known | None = None  # a global's value, or an attribute's of a module or class
+
+
+class _Known:
+    """A value code loads as a global, read as it is now (compared by identity: a tensor's
+    ``==`` is no truth value)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
 
 _EMPTY = _Slot(frozenset(), frozenset(), frozenset())
+#: A path's mark that an attribute may still hold its value from before the run (a local of
+#: its own, by name): cleared by a write on the path, kept where any path joining keeps it.
+_OLD = _Slot(frozenset({("old",)}), frozenset(), frozenset())
+_OLD_MARK = "#old:"
 _RAISED = _Slot(frozenset({_UNKNOWN}), frozenset(), frozenset())
 _SELF_SLOT = _Slot(frozenset({_SELF}), frozenset({_SELF}), frozenset())
 
@@ -556,9 +580,30 @@ class _Facts:
     codes: dict[Any, Any] = dataclasses.field(default_factory=dict)
     clean: set[Any] = dataclasses.field(default_factory=set)
     pending: list[Any] = dataclasses.field(default_factory=list)
+    scopes: dict[Any, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    depth: dict[Any, int] = dataclasses.field(default_factory=dict)
+    read_old: set[str] = dataclasses.field(default_factory=set)
+    guards: set[str] = dataclasses.field(default_factory=set)
+    exit_old: dict[Any, set[str]] = dataclasses.field(default_factory=dict)
+    written: dict[Any, frozenset[str]] = dataclasses.field(default_factory=dict)
 
     def add(self, table: dict[Any, set[Any]], key: Any, tokens: Iterable[Any]) -> None:
         table.setdefault(key, set()).update(tokens)
+
+    def follow(self, func: Any, caller: Any) -> Any:
+        """The code key of a function of the user's called outside the class (``caller``: the
+        code calling it), queued to be read with its globals; ``_OPAQUE`` past
+        :data:`_FOLLOW_DEPTH` calls from the class's code."""
+        key = _key(func.__code__)
+        depth = self.depth.get(caller, 0) + 1
+        if key in self.codes or any(key == _key(c) for c in self.pending):
+            return key
+        if depth > _FOLLOW_DEPTH:
+            return _OPAQUE
+        self.depth[key] = depth
+        self.pending.append(func.__code__)
+        _scope(func, self.scopes)
+        return key
 
     def method(self, name: str, after: Any = None) -> tuple[Any, bool] | None:
         """What reading attribute ``name`` of self runs: ``(code key, whether it is a
@@ -580,6 +625,7 @@ class _Facts:
                 return None
             if _key(func.__code__) not in self.codes:
                 self.pending.append(func.__code__)
+                _scope(func, self.scopes)
             getter = isinstance(found, property) or type(found).__name__ == "cached_property"
             return _key(func.__code__), getter
         return None
@@ -593,26 +639,62 @@ def _defines(klass: type, code: Any) -> bool:
 def fresh_writes(codes: list[Any], cls: type | None) -> frozenset[str]:
     """The attributes of self that ``codes`` (a class's forward first, and the code it
     reaches: :func:`forward_code`) write at least once with a value made anew: of nothing
-    but the forward's inputs, constants, globals and other attributes (see above). The
-    forward's arguments are its inputs; another method's are what its calls pass; a nested
-    function's, what the code calling it passes."""
+    but the forward's inputs, constants, globals and other attributes (see above), and whose
+    value from before the run no path uses (read where the path has not written it), unless
+    a condition reads the attribute (a lazy table's ``if self.pe is None``). The forward's
+    arguments are its inputs; another method's are what its calls pass; a nested function's,
+    what the code calling it passes; a function of the user's outside the class (``cls``
+    given: the class's own code is read with its globals), what its callers pass."""
+    written: dict[Any, frozenset[str]] = {}
+    for _ in range(_WRITE_ROUNDS):
+        facts = _read_codes(codes, cls, written)
+        own = {_key(c) for c in codes}
+        fresh = {
+            name
+            for (key, _, name), made in facts.writes.items()
+            if key in own and not _reaches(made, name, facts)
+        }
+        # one whose value from before the run may be used (read where the path has not
+        # written it) is the forward's own only where a condition reads it (a lazy table's)
+        old = fresh & facts.read_old - facts.guards
+        if not old or facts.written == written:
+            return frozenset(fresh - old)
+        written = facts.written  # the methods' writes known now: read again with them
+    return frozenset(fresh - old)
+
+
+#: How many times a class's code is read, each with what the methods it calls write on every
+#: path (a forward calling a method that writes what it reads next), before the answer stands.
+_WRITE_ROUNDS = 3
+
+
+def _read_codes(codes: list[Any], cls: type | None, written: dict[Any, frozenset[str]]) -> _Facts:
+    """One reading of ``codes`` (:func:`fresh_writes`), ``written`` what each method writes on
+    every path that returns (from the reading before)."""
     selfs = {"self"} | {c.co_varnames[0] for c in codes if c.co_argcount and _method_code(c)}
     facts = _Facts(cls, frozenset(selfs), clean={_key(codes[0])} if codes else set())
     facts.pending = list(codes)
+    for klass in cls.__mro__ if cls is not None else ():
+        for attr in vars(klass).values():
+            func = method_function(attr)
+            if inspect.isfunction(func):
+                _scope(func, facts.scopes)
     while facts.pending:
         code = facts.pending.pop()
         if _key(code) in facts.codes:
             continue
         facts.codes[_key(code)] = code
-        facts.pending += [c for c in code.co_consts if inspect.iscode(c)]
-        if not _Interpreter(code, facts).run():
+        nested = [c for c in code.co_consts if inspect.iscode(c)]
+        facts.pending += nested
+        for c in nested:
+            if _key(code) in facts.depth:
+                facts.depth.setdefault(_key(c), facts.depth[_key(code)])
+        reading = _Interpreter(code, facts, written)
+        if not reading.run():
             _unread(code, facts)
-    own = {_key(c) for c in codes}
-    return frozenset(
-        name
-        for (key, _, name), made in facts.writes.items()
-        if key in own and not _reaches(made, name, facts)
-    )
+        elif _key(code) in facts.exit_old:
+            facts.written[_key(code)] = reading.stores - frozenset(facts.exit_old[_key(code)])
+    return facts
 
 
 def argument_names(code: Any) -> tuple[str, ...]:
@@ -677,6 +759,116 @@ def _reaches(made: Iterable[Any], name: str, facts: _Facts) -> bool:
     return False
 
 
+# == what code outside the class reads =============================================================
+# The user's own code (no library's: :func:`_library`) is read with its globals: a global of the
+# user's function is followed into (its returns, what it is given), a module's or class's
+# attribute is read as it is now, and a value that may hold the module (:func:`_holds`: the
+# module itself, an object or container holding it, a bound method of it, a function whose
+# closure or defaults hold it, a module or class of the user's used as a value) is anything.
+# Library code keeps the rule for calls: a result is made of the inputs.
+
+#: How many calls deep a reading follows functions of the user's outside the class.
+_FOLLOW_DEPTH = 4
+#: How deep and how many items of a container :func:`_holds` reads before taking it as holding.
+_HOLD_DEPTH = 3
+_HOLD_ITEMS = 64
+#: Values that hold nothing: plain values, and what a tensor library makes of its own.
+_INERT = (bool, int, float, complex, str, bytes, type(Ellipsis), range, slice)
+
+
+def _scope(func: Any, scopes: dict[Any, Mapping[str, Any]]) -> None:
+    """Read ``func`` (a function of the user's own code) and the code nested in it with its
+    globals; library code keeps none (its globals are library code, as before)."""
+    if _library(func):
+        return
+    todo = [func.__code__]
+    while todo:
+        code = todo.pop()
+        if _key(code) not in scopes:
+            scopes[_key(code)] = func.__globals__
+            todo += [c for c in code.co_consts if inspect.iscode(c)]
+
+
+def _library(obj: Any) -> bool:
+    """Whether a function, class or module is library code: of torch, featbake, the standard
+    library or builtins by its top module, or from a file under the standard library's or
+    installed packages' folders."""
+    name = getattr(obj, "__name__", "") if inspect.ismodule(obj) else getattr(obj, "__module__", "")
+    top = (name or "").partition(".")[0]
+    if top in ("torch", "featbake", "builtins", "numpy") or top in sys.stdlib_module_names:
+        return True
+    if inspect.ismodule(obj):
+        filename = getattr(obj, "__file__", None) or ""
+    elif inspect.isfunction(obj):
+        filename = obj.__code__.co_filename
+    else:
+        filename = getattr(sys.modules.get(name or ""), "__file__", None) or ""
+    return bool(filename) and _under_installed(filename)
+
+
+@functools.cache
+def _installed_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    names = ("stdlib", "platstdlib", "purelib", "platlib")
+    return tuple(os.path.realpath(paths[n]) + os.sep for n in names if n in paths)
+
+
+@functools.lru_cache(maxsize=1024)
+def _under_installed(filename: str) -> bool:
+    return not filename.startswith("<") and os.path.realpath(filename).startswith(
+        _installed_roots()
+    )
+
+
+def _holds(value: Any, depth: int = 0) -> bool:
+    """Whether ``value``, read as code outside the class reads it, may hold or be the module
+    (see above). None may be set to it later; a container past :data:`_HOLD_DEPTH` levels or
+    :data:`_HOLD_ITEMS` items, and any object not named here, may."""
+    if isinstance(value, (*_INERT, enum.Enum)):
+        return False
+    if inspect.ismodule(value) or isinstance(value, type):
+        return not _library(value)
+    if _tensor_like(value):
+        return False
+    if depth >= _HOLD_DEPTH:
+        return True
+    if isinstance(value, (types.BuiltinFunctionType, types.MethodWrapperType)):
+        owner = getattr(value, "__self__", None)
+        return owner is not None and not inspect.ismodule(owner) and _holds(owner, depth + 1)
+    if inspect.ismethod(value):
+        return _holds(value.__self__, depth + 1) or _holds(value.__func__, depth + 1)
+    if inspect.isfunction(value):
+        return not _library(value) and _function_holds(value, depth)
+    if isinstance(value, functools.partial):
+        held = [value.func, *value.args, *value.keywords.values()]
+        return any(_holds(v, depth + 1) for v in held)
+    if type(value) in (list, tuple, set, frozenset, dict):
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else list(value)
+        return len(items) > _HOLD_ITEMS or any(_holds(v, depth + 1) for v in items)
+    return True
+
+
+def _function_holds(func: Any, depth: int) -> bool:
+    """Whether a function of the user's holds the module in a closure cell or a default."""
+    held = [*(func.__defaults__ or ()), *(func.__kwdefaults__ or {}).values()]
+    for cell in func.__closure__ or ():
+        try:
+            held.append(cell.cell_contents)
+        except ValueError:  # an empty cell: filled later, with anything
+            return True
+    return any(_holds(v, depth + 1) for v in held)
+
+
+def _tensor_like(value: Any) -> bool:
+    """A tensor, array, dtype or device (no module): values that hold no module."""
+    owner = type(value).__module__.partition(".")[0]
+    if owner not in ("torch", "numpy"):
+        return False
+    import torch  # loaded already: its value is here
+
+    return not isinstance(value, torch.nn.Module)
+
+
 #: Ops that move nothing on the stack as read here (3.11's PRECALL and KW_NAMES among them).
 _STILL = frozenset(
     {"NOP", "RESUME", "PRECALL", "KW_NAMES", "CACHE", "EXTENDED_ARG", "MAKE_CELL",
@@ -724,14 +916,20 @@ _State = tuple[tuple[_Slot, ...], dict[str, _Slot]]
 class _Interpreter:
     """One code object read as data flow into :class:`_Facts` (see above)."""
 
-    def __init__(self, code: Any, facts: _Facts) -> None:
+    def __init__(
+        self, code: Any, facts: _Facts, written: Mapping[Any, frozenset[str]] | None = None
+    ) -> None:
         self.code = code
+        self.written = written or {}
         self.facts = facts
         self.key = _key(code)
         self.ins = list(dis.get_instructions(code))
         self.at = {op.offset: i for i, op in enumerate(self.ins)}
         self.handler: dict[int, tuple[int, int, bool]] = {}
         self.changed = True  # whether the last op changed a local (the handlers see it)
+        self.scope = facts.scopes.get(self.key)  # its globals, where it is the user's code
+        self.stores = frozenset(str(op.argval) for op in self.ins if op.opname == "STORE_ATTR")
+        self.known: dict[int, _Known] = {}
         entries: Any = getattr(dis.Bytecode(code), "exception_entries", [])  # 3.11+: typed later
         for e in entries:
             for i, op in enumerate(self.ins):
@@ -806,7 +1004,7 @@ class _Interpreter:
             if self.key in self.facts.clean
             else _Slot(frozenset({("param", self.key)}), frozenset(), frozenset())
         )
-        names = {}
+        names = {_OLD_MARK + name: _OLD for name in self.stores}
         for name in argument_names(code):
             slot = _SELF_SLOT if name in self.facts.selfs else given
             names[name] = slot
@@ -818,6 +1016,9 @@ class _Interpreter:
         """The states after ``op``: ``(index, stack, locals)`` of each op that may run next."""
         if op.opname in ("RETURN_VALUE", "YIELD_VALUE"):
             self.facts.add(self.facts.returns, self.key, stack[-1].made)
+        if op.opname in ("RETURN_VALUE", "RETURN_CONST"):  # what this path has not written
+            old = {k[len(_OLD_MARK) :] for k, v in names.items() if k[:1] == "#" and v.made}
+            self.facts.add(self.facts.exit_old, self.key, old)
         if op.opname in _ENDS:
             return []
         if op.opcode in dis.hasjrel or op.opcode in dis.hasjabs:
@@ -835,7 +1036,7 @@ class _Interpreter:
         elif name.endswith("DEREF") or name in ("LOAD_CLOSURE", "LOAD_CLASSDEREF"):
             self._cell(op, stack)
         elif name in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"):
-            self._attribute(op, stack)
+            self._attribute(op, stack, names)
         elif name in ("STORE_ATTR", "STORE_SUBSCR", "STORE_SLICE"):
             self._store(op, stack, names)
         elif name.startswith("CALL") or name == "BEFORE_WITH":
@@ -856,6 +1057,8 @@ class _Interpreter:
         with the stack its path leaves (a condition popped, ``x or y`` kept, an iterator's
         next item pushed as the iterator it comes of)."""
         target = self.at[op.argval]
+        if "IF" in op.opname and stack:  # a condition: the attributes it reads guard writes
+            self.facts.guards.update(t[1] for t in stack[-1].made if t[0] == "attr")
         out = []
         for jump in (True, False):
             if not jump and op.opname in _ALWAYS_JUMPS:
@@ -912,7 +1115,7 @@ class _Interpreter:
         elif op.opname == "STORE_DEREF":
             self.facts.add(self.facts.cells, cell, stack.pop().made)
 
-    def _attribute(self, op: Any, stack: list[_Slot]) -> None:
+    def _attribute(self, op: Any, stack: list[_Slot], names: dict[str, _Slot]) -> None:
         """An attribute read. Of self: its token (a setting, state), or for a method the code
         it runs (its returns come with its calls; a property's with the read); an attribute
         that reads any by name (``__dict__``) is self. Of another value: the value's tokens."""
@@ -926,13 +1129,19 @@ class _Interpreter:
             alias = frozenset(a for a in owner.alias if a[0] != "global")
             if name in _CHANGING_METHODS:  # CACHE.update(...): a change to the global
                 alias |= {("changed", a[1]) for a in owner.alias if a[0] == "global"}
-            stack += [_Slot(owner.made, alias, frozenset())] * pushed
+            slot = _Slot(owner.made, alias, frozenset())
+            if owner.known is not None and _namespace(owner.known.value):
+                found = _static_attribute(owner.known.value, name)
+                slot = self._valued(owner.made - {_UNKNOWN}, alias, found)
+            stack += [slot] * pushed
             return
         rest = owner.made - {_SELF}
         if name in _READS_BY_NAME or name.startswith("__"):
             rest |= {_SELF}
         found = self.facts.method(name, self.code if through_super else None)
         if found is None:
+            if names.get(_OLD_MARK + name, _OLD).made:  # not written on this path yet
+                self.facts.read_old.add(name)
             token = frozenset({("attr", name)})
             slot = _Slot(rest | token, token, frozenset())
         elif found[1]:  # a property: its getter runs now
@@ -953,6 +1162,8 @@ class _Interpreter:
                 self.facts.add(self.facts.writes, write, value.made)
                 self.facts.add(self.facts.stored, str(op.argval), value.made)
                 owner = owner._replace(alias=owner.alias - {_SELF})
+                names[_OLD_MARK + str(op.argval)] = _EMPTY  # written on this path
+                self.changed = True
             self._change(owner.alias, value.made, names)
             return
         count = 3 if op.opname == "STORE_SUBSCR" else 4
@@ -993,10 +1204,16 @@ class _Interpreter:
         del stack[len(stack) - popped :]
         inputs = _joined(taken)
         made = set(inputs.made)
-        for callee in inputs.callee - {_SUPER}:
+        for callee in inputs.callee - {_SUPER, _OPAQUE}:
             self.facts.add(self.facts.calls, callee, inputs.made)
             made.add(("ret", callee))
+        if _OPAQUE in inputs.callee:
+            made.add(_UNKNOWN)
         called = 2 if op.opname in ("CALL", "CALL_KW") else 1  # a global called is not changed
+        for callee in _joined(taken[:called]).callee:  # a method writing on every path
+            for name in self.written.get(callee, ()):
+                names[_OLD_MARK + name] = _EMPTY
+                self.changed = True
         changed = _joined(taken[called:]).alias | {
             a for s in taken[:called] for a in s.alias if a[0] != "global"
         }
@@ -1005,6 +1222,34 @@ class _Interpreter:
         if _SUPER in inputs.callee:
             out = _Slot(_SELF_SLOT.made | out.made, _SELF_SLOT.alias, frozenset({_SUPER}))
         stack += [out] * pushed
+
+    def _global(self, name: str) -> _Slot:
+        """A global loaded: its token (what the code read stores into it), and, in the user's
+        code, its value now (:meth:`_valued`); one no name holds yet is anything."""
+        token = frozenset({("global", name)})
+        if self.scope is None:
+            return _Slot(token, token, frozenset())
+        found = self.scope.get(name, _MISSING)
+        if found is _MISSING:
+            found = vars(builtins).get(name, _MISSING)
+        return self._valued(token, token, found)
+
+    def _valued(self, made: frozenset[Any], alias: frozenset[Any], value: Any) -> _Slot:
+        """A value code of the user's loads as it is now: anything where it may hold the
+        module (:func:`_holds`) or is missing; a function of the user's marks the code it
+        runs (followed: :meth:`_Facts.follow`), a class of the user's code no reading follows."""
+        if value is _MISSING:
+            return _Slot(made | {_UNKNOWN}, alias, frozenset())
+        if _holds(value):
+            made |= {_UNKNOWN}
+        func = method_function(value.func if isinstance(value, functools.partial) else value)
+        callee: frozenset[Any] = frozenset()
+        if inspect.isfunction(func) and not _library(func):
+            callee = frozenset({self.facts.follow(func, self.key)})
+        elif isinstance(value, type) and not _library(value):
+            callee = frozenset({_OPAQUE})
+        known = self.known.setdefault(id(value), _Known(value))
+        return _Slot(made, alias, callee, known)
 
     def _other(self, op: Any, stack: list[_Slot], names: dict[str, _Slot]) -> None:
         """Any other op, by its stack effect: a push of a value made of nothing (a constant,
@@ -1021,8 +1266,7 @@ class _Interpreter:
             elif name == "LOAD_GLOBAL" and op.argval == "super":
                 stack[-1] = _Slot(frozenset(), frozenset(), frozenset({_SUPER}))
             elif name in ("LOAD_GLOBAL", "LOAD_NAME"):
-                token = frozenset({("global", str(op.argval))})
-                stack[-1] = _Slot(token, token, frozenset())
+                stack[-1] = self._global(str(op.argval))
             return
         if name in ("STORE_GLOBAL", "STORE_NAME"):
             self.facts.add(self.facts.globals, str(op.argval), stack[-1].made)
@@ -1045,6 +1289,28 @@ class _Interpreter:
         if (name not in _PURE and name != "BINARY_OP") or in_place:
             self._change(inputs.alias - {_SELF}, inputs.made, names)
         stack += [_Slot(made, inputs.alias - {_SELF}, callee)] * (popped + effect)
+
+
+#: A name no global, builtin or attribute holds.
+_MISSING = object()
+
+
+def _namespace(value: Any) -> bool:
+    """Whether ``value`` is a module or class of the user's: its attributes read as they are."""
+    return (inspect.ismodule(value) or isinstance(value, type)) and not _library(value)
+
+
+def _static_attribute(namespace: Any, name: str) -> Any:
+    """Attribute ``name`` of a module or class as it is held (no property run), a static or
+    class method as its function; :data:`_MISSING` where none is."""
+    if inspect.ismodule(namespace):
+        return vars(namespace).get(name, _MISSING)
+    found = inspect.getattr_static(namespace, name, _MISSING)
+    if isinstance(found, staticmethod):
+        return found.__func__
+    if isinstance(found, classmethod):
+        return types.MethodType(found.__func__, namespace)  # holds the class: read as it
+    return found
 
 
 def _within(b: _Slot, a: _Slot) -> bool:

@@ -478,7 +478,8 @@ class HeldReading:
                     wholes.setdefault(name, value)  # passed on or kept: read whole
                 elif name != g and value is not _ABSENT and not only_recorded(code, name):
                     reached.setdefault(name, value)
-        _root_reads(code, found, kept, reached, wholes)
+        if _root_reads(code, found, kept, reached, wholes):
+            rows.append(self._refuse(code.co_name, IMPORTED_AT_RUN_TIME))
         for name, value in sorted(reached.items()):
             text = self._global(name, value, code, depth)
             rows += [] if text is None else [f"global {name}={text}"]
@@ -1282,6 +1283,8 @@ def _roots_at(
     an import's names are kept in their locals (``aliases``) here, the first argument of two
     loaded at once is a use (``found``)."""
     op = ins[i]
+    if op.opname in _NAME_LOADS and op.argval in _IMPORTERS:
+        return _imported_by_call(ins, i, found)
     if op.opname == "LOAD_GLOBAL":
         return [(("global", str(op.argval)), i + 1, ())]
     if op.opname == "LOAD_DEREF":
@@ -1299,6 +1302,46 @@ def _roots_at(
     if op.opname == "IMPORT_NAME" and i >= 2:
         _imported_names(code, ins, i, aliases)
     return []
+
+
+def _imported_by_call(
+    ins: list[Any], i: int, found: set[Any]
+) -> list[tuple[tuple[str, ...], int, tuple[str, ...]]]:
+    """The module ``ins[i]`` imports by a call (``importlib.import_module("pkg.settings")``, the
+    package ``__import__("pkg.settings")`` gives), as an import of it; one by any other call
+    (a name made at run time, more arguments) a ``("dynamic", name)`` use in ``found``."""
+    op = ins[i]
+    called = _import_call(ins, i)
+    if called is None:
+        found.add((("dynamic", str(op.argval)), ("*",)))
+        return []
+    name, k = called
+    bound = name.partition(".")[0] if op.argval == "__import__" else name
+    return [(("import", bound, "0"), k, ())]
+
+
+#: The functions by which code imports a module by its name as a string, and the ops that may
+#: load one (a global, ``importlib``'s attribute, a local of ``import importlib as il``).
+_IMPORTERS = frozenset({"import_module", "__import__"})
+_NAME_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_ATTR", "LOAD_METHOD"})
+#: Ops between a call's last argument and the call that move nothing.
+_CALL_PREFIXES = frozenset({"PRECALL", "KW_NAMES", "CACHE", "EXTENDED_ARG"})
+
+
+def _import_call(ins: list[Any], i: int) -> tuple[str, int] | None:
+    """Where ``ins[i]`` loads ``importlib.import_module`` or ``__import__`` called at once with
+    one constant absolute name (``import_module("pkg.settings")``): the name and the index
+    after the call; None where it is called otherwise or not at once."""
+    rest = [
+        (j, o) for j, o in enumerate(ins[i + 1 : i + 8], i + 1) if o.opname not in _CALL_PREFIXES
+    ]
+    if len(rest) < 2:
+        return None
+    (_, const), (j, call) = rest[0], rest[1]
+    named = const.opname == "LOAD_CONST" and isinstance(const.argval, str)
+    if not named or const.argval.startswith(".") or call.opname != "CALL" or call.arg != 1:
+        return None
+    return const.argval, j + 1
 
 
 def _imported_names(code: Any, ins: list[Any], i: int, aliases: dict[Any, set[Any]]) -> None:
@@ -1382,7 +1425,9 @@ def global_root_chains(code: Any) -> tuple[tuple[tuple[str, ...], tuple[str, ...
         _ROOTS,
         (code,),
         "globals",
-        lambda: tuple(c for c in root_chains(code) if c[0][0] in ("global", "bare", "import")),
+        lambda: tuple(
+            c for c in root_chains(code) if c[0][0] in ("global", "bare", "import", "dynamic")
+        ),
     )
 
 
@@ -1434,12 +1479,16 @@ def _root_reads(
     kept: frozenset[str],
     reached: dict[str, Any],
     wholes: dict[str, Any],
-) -> None:
+) -> bool:
     """What a function's code (globals ``found``, its bookkeeping ``kept``) reads through a
     global or an import kept in a local or used at once (:func:`global_root_chains`), into
-    ``reached`` and ``wholes`` (:func:`_reach`)."""
+    ``reached`` and ``wholes`` (:func:`_reach`); True where it imports a module by a name no
+    reading knows (:data:`IMPORTED_AT_RUN_TIME`)."""
+    dynamic = False
     for root, chain in global_root_chains(code):
-        if root[0] == "bare":  # a global used at once: only a module of the user's counts
+        if root[0] == "dynamic":
+            dynamic = True
+        elif root[0] == "bare":  # a global used at once: only a module of the user's counts
             value = found.get(root[1])
             if isinstance(value, types.ModuleType) and root[1] not in kept:
                 _reach(root[1], value, chain, reached, wholes)
@@ -1447,6 +1496,15 @@ def _root_reads(
             _reach(root[1], found[root[1]], chain, reached, wholes)
         elif root[0] == "import":
             _reach(*imported_module(root, found), chain, reached, wholes)
+    return dynamic
+
+
+#: What a function that imports a module by a name made at run time (``import_module(name)``,
+#: ``__import__(name, ...)``) is refused as: no reading knows which module's settings it reads.
+IMPORTED_AT_RUN_TIME = (
+    "a module imported by a name made at run time (importlib.import_module or __import__ "
+    "with no constant name), whose settings no key reads"
+)
 
 
 def imported_module(root: tuple[str, ...], found: Mapping[str, Any]) -> tuple[str, Any]:

@@ -57,6 +57,28 @@ def _first_dataset(
         return CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
 
 
+def _baked_then_reopened(
+    audio_dir: Path,
+    module: torch.nn.Module,
+    tmp_path: Path,
+    *,
+    n: int = 1,
+    change: Any = None,
+    on_miss: str | None = "error",
+) -> CachedFeatureDataset:
+    """A first dataset over ``module`` (:func:`_first_dataset`) serves its first ``n`` items
+    and is flushed; then ``change()`` (the next run's setting), where given; then a second
+    dataset on the same store, with ``on_miss`` (the default where None)."""
+    first = _first_dataset(audio_dir, module, tmp_path)
+    for i in range(n):
+        first[i]
+    first.flush()
+    if change is not None:
+        change()
+    miss = {} if on_miss is None else {"on_miss": on_miss}
+    return CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", **miss)
+
+
 def _assert_live(ds: CachedFeatureDataset, module: torch.nn.Module, n: int) -> None:
     """The first ``n`` items ``ds`` serves equal ``module`` run on them now."""
     for i in range(n):

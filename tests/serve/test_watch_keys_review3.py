@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from featbake.keys import derived_attributes, fresh_attribute_writes, tensor_attributes
-from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import TinyConvEncoder
-from tests.serve.test_watch_keys import _assert_live, _first_dataset
+from tests.serve.test_watch_keys import _assert_live, _baked_then_reopened
 from tests.serve.test_watch_keys_review import _served_after_change
 
 THIS_MODULE = sys.modules[__name__]  # as ``import config`` of a user's own module
@@ -255,11 +254,11 @@ def test_a_setting_the_forward_writes_back_from_itself_stays_keyed(
     cls = REWRITES[shape]
     assert "scale" not in derived_attributes(cls)
     module = cls().eval()
-    first = _first_dataset(audio_dir, module, tmp_path)
-    first[0]
-    first.flush()
-    module.scale = torch.tensor(3.0)  # the next run's setting
-    second = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+
+    def change() -> None:
+        module.scale = torch.tensor(3.0)  # the next run's setting
+
+    second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
     _assert_live(second, module, 1)
 
 
@@ -294,11 +293,7 @@ class _LazyTable(TinyConvEncoder):
 def test_a_table_made_anew_through_locals_stays_derived(tmp_path: Path, audio_dir: Path) -> None:
     assert "pe" in derived_attributes(_LazyTable)
     module = _LazyTable().eval()
-    first = _first_dataset(audio_dir, module, tmp_path)
-    first[0]
-    first[1]
-    first.flush()
-    second = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
+    second = _baked_then_reopened(audio_dir, module, tmp_path, n=2)
     _assert_live(second, module, 2)
 
 
@@ -518,8 +513,5 @@ def test_a_module_kept_in_a_local_keeps_its_key_when_nothing_read_changes(
     from tests.serve.test_watch_keys import _hooked
 
     module = _hooked(_module_in_local, pre=True)
-    first = _first_dataset(audio_dir, module, tmp_path)
-    first[0]
-    first.flush()
-    again = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s", on_miss="error")
+    again = _baked_then_reopened(audio_dir, module, tmp_path)
     _assert_live(again, module, 1)
