@@ -47,6 +47,8 @@ def stored_dtypes() -> dict[str, torch.dtype]:
         "int8": Scheme.INT8.packed_dtype,
         "fp8": Scheme.FP8.packed_dtype,
     }
+
+
 SOURCE_KINDS = ("audio", "npy", "image", "text")
 #: Bump when featbake's text decoding or tokenising changes ids for the same text recipe.
 TEXT_VERSION = 1

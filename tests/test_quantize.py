@@ -34,8 +34,7 @@ from featbake.quantize import (
     scheme_of,
     unpack,
 )
-from featbake.recipe import stored_dtypes
-from featbake.recipe import Recipe
+from featbake.recipe import Recipe, stored_dtypes
 from featbake.serve.collate import PaddedBatch, pad_collate
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.loader import FeatureLoader

@@ -7,9 +7,9 @@ build's pipeline and the encoders) paid torch's import, seconds of CPU, in every
 in, for work that reads and hashes bytes. Here it imports only what it runs: the byte hashing of
 :mod:`featbake.encode.fingerprints`, the byte seam, and :mod:`featbake.bake.engine_wire`
 (tests/bake/test_ray_tasks.py checks, in a fresh process, that importing this module and running
-a task imports no torch). Tar shards and table files are still read through their readings'
-classes (bake/ray_engine.py's ``ContainerRead``: :mod:`featbake.encode.webdataset`,
-:mod:`featbake.encode.tables`), whose modules import torch when a task unpickles them.
+a task imports no torch). Tar shards and table files are read through their readings' classes
+(``ContainerRead``: :mod:`featbake.encode.webdataset`, :mod:`featbake.encode.tables`), whose
+modules, unpickled by the task, load torch only where a tensor is made, which a task never does.
 
 The driver's side (which inputs go to tasks, how many a task, their results vouched for and
 added up) stays in bake/ray_engine.py (:class:`~featbake.bake.ray_engine.ClusterDigests`).
@@ -148,7 +148,7 @@ def read_batch(
 def reading_here(read: ContainerRead, seen: SeenHere) -> ContainerRead:
     """``read`` checked against its container's stat as this host sees it (the stat a tar's
     members were listed at, a table file's rows scanned at: the driver's)."""
-    # Imported here: both import torch, which the task's unpickling of ``read`` has done.
+    # Imported here: the task's unpickling of ``read`` imported its module, not both.
     from featbake.encode.tables import CellReading
     from featbake.encode.webdataset import MemberReading
 

@@ -9,6 +9,8 @@ import os
 import pickle
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from hypothesis import given, settings
@@ -21,12 +23,22 @@ from featbake.bake.ray_engine import (
     TASKS_PER_WORKER,
     RayEngine,
     digest_batch,
+    read_batch,
     rows_per_task,
 )
-from featbake.encode.fingerprints import DigestAsk
-from featbake.store.byteplace import Digest
+from featbake.encode.fingerprints import (
+    ContainerAsk,
+    ContainerDigested,
+    DigestAsk,
+    Digested,
+    digest_here,
+)
+from featbake.store.byteplace import BytePlace, Digest
+from featbake.store.catalog import Catalog
 from featbake.store.claims import this_host
 from featbake.store.hash_cache import FileStat
+from featbake.store.layout import Layout
+from tests.bake.test_ray_hashing import containers, scanned_paths
 from tests.conftest import REPO
 
 
@@ -94,3 +106,47 @@ def test_a_hashing_task_runs_in_a_process_that_imports_no_torch(tmp_path: Path) 
     want = {p: Digest(FileStat.of(p), hashlib.sha256(Path(p).read_bytes()).hexdigest())
             for p in paths}  # fmt: skip
     assert {d.path: d.got for d in done.digested} == want
+
+
+class Sent:
+    """A digester standing for a cluster that keeps what each container-hashing task would be
+    sent (each reading, no holder) and reads it here."""
+
+    def __init__(self) -> None:
+        self.asks: list[ContainerAsk] = []
+
+    def __call__(self, place: BytePlace, asks: Sequence[DigestAsk]) -> Iterator[Digested]:
+        return digest_here(place, asks)
+
+    def containers(self, asks: Sequence[ContainerAsk]) -> Iterator[ContainerDigested]:
+        self.asks += [replace(a, held=None) for a in asks]
+        return read_batch(list(self.asks[-len(asks) :]), this_host(), ENGINE_PROTOCOL).digested
+
+
+def test_a_container_hashing_task_runs_in_a_process_that_imports_no_torch(
+    tmp_path: Path,
+) -> None:
+    """Round fourteen, the suite's cost (r14s.2): a task reading tar shards' members or table
+    files' cells unpickles their readings (``MemberReading``, ``CellReading``), whose modules
+    (encode/webdataset.py, encode/tables.py, encode/sources.py and featbake/recipe.py under
+    them) imported torch at their top. They load it now only where a tensor or a dtype is
+    made: the task's process reads the same digests and failures (a torn member, a null cell)
+    and never loads torch or the build's pipeline."""
+    for kind, (inputs, bad) in containers(tmp_path).items():
+        sent = Sent()
+        with Catalog(Layout(tmp_path / f"store-{kind}").ensure()) as cat:
+            inputs.hash(cat, scanned_paths(inputs), digester=sent)
+        assert len(sent.asks) == 2, kind
+        task = pickle.dumps((read_batch, (sent.asks, this_host(), ENGINE_PROTOCOL)))
+        proc = subprocess.run(
+            [sys.executable, "-c", RUN_A_TASK], input=task, capture_output=True, timeout=120,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr.decode()
+        done, heavy = pickle.loads(proc.stdout)
+        assert "torch" not in heavy and "featbake.bake.pipeline" not in heavy, (kind, heavy)
+        assert done.error is None
+        want = read_batch(sent.asks, this_host(), ENGINE_PROTOCOL).digested  # read here
+        assert done.digested == want, kind
+        failed = [d for d in done.digested if any(len(g) == 1 for g in d.got.digests.values())]
+        assert [d.container for d in failed] == [str(bad)], kind
