@@ -995,10 +995,19 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
         from featbake.export.source import RootData
 
         source = root.recipe.get("source")
-        try:
-            inputs = inputs_at(root.data, column, source)
+
+        def opened(named: str | None) -> tuple[Any, set[str]]:
+            inputs = inputs_at(root.data, named, source)
             # a manifest's rows are read by its scan
-            listed = set(inputs.scan(source_extensions(source)).inputs)
+            return inputs, set(inputs.scan(source_extensions(source)).inputs)
+
+        try:
+            built = _built_column(root, column)
+            inputs, listed = opened(built)
+            if not _names_column(root, built):  # the build named a column the rows carry?
+                found = _built_column(root, built, _row_columns(inputs, listed))
+                if found != built:
+                    inputs, listed = opened(found)
         except (FeatbakeError, OSError) as e:
             if strict:
                 raise ConfigError(
@@ -1024,3 +1033,47 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
         return RootData(lambda path: inputs.row(path) if path in listed else None, digests)
 
     return rows_for
+
+
+def _built_column(root: Any, given: str | None, candidates: Sequence[str] = ()) -> str | None:
+    """The column the root's build named (its name is ``keys.root_id`` of the data, encoder,
+    recipe and that column): ``given`` where the name says so, else the build's default
+    (None) or the first of ``candidates`` (columns the rows carry) the name says it was;
+    ``given`` where none is (a root named otherwise: read as the user says).
+
+    An export keys each item's input by this column: by another, every item read as another
+    file's would be "changed" (a row's clean ``path`` read for a build of its ``noisy``).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> from featbake.keys import root_id
+        >>> root = SimpleNamespace(data="/d/m.jsonl", encoder_label="e", recipe_fp="0" * 64)
+        >>> root.name = root_id(root.data, "e", "0" * 64, "noisy")
+        >>> _built_column(root, None, ["label", "noisy"]), _built_column(root, "x")
+        ('noisy', 'x')
+    """
+    if _names_column(root, given):
+        return given
+    found = (c for c in (None, *candidates) if c != given and _names_column(root, c))
+    return next(found, given)
+
+
+def _names_column(root: Any, column: str | None) -> bool:
+    """Whether the root's name is that of a build that named ``column`` (None: none)."""
+    from featbake.keys import root_id
+
+    return bool(root_id(root.data, root.encoder_label, root.recipe_fp, column) == root.name)
+
+
+#: How many listed rows :func:`_row_columns` reads the column names of.
+ROWS_FOR_COLUMNS = 1_000
+
+
+def _row_columns(inputs: Any, listed: set[str]) -> list[str]:
+    """The names of the text columns the first listed rows carry, sorted: where the build
+    may have named one of them with --column (a row's other file columns are carried as
+    labels)."""
+    names: set[str] = set()
+    for path in sorted(listed)[:ROWS_FOR_COLUMNS]:
+        names.update(k for k, v in inputs.row(path).items() if isinstance(v, str))
+    return sorted(names)
