@@ -1025,14 +1025,32 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
             nothing written); those that cannot be read are left out."""
             named = {inputs.path(p): p for p in paths}
             try:
-                now, _ = inputs.hash(DigestView(hashes, {}), list(named))
+                now, bad = inputs.hash(DigestView(hashes, {}), list(named))
+                gone = _inputs_not_in_files(inputs, [named[full] for full in bad], hashes)
             except (FeatbakeError, OSError):
                 return {}
-            return {named[full]: digest for full, digest in now.items()}
+            return {named[full]: digest for full, digest in now.items()} | gone
 
         return RootData(lambda path: inputs.row(path) if path in listed else None, digests)
 
     return rows_for
+
+
+def _inputs_not_in_files(inputs: Any, rels: Sequence[str], hashes: Any) -> dict[str, str]:
+    """Of the rows ``rels`` that are no input now, those whose file reads (a segment past the
+    end of a recording rewritten shorter, or in bytes that are no audio now), each given
+    :data:`~featbake.export.source.NO_INPUT`: the build read that row's input, so its row or
+    file changed since. A row whose file cannot be read is left out (unknown)."""
+    from featbake.encode.fingerprints import hash_inputs
+    from featbake.encode.inputs import DigestView
+    from featbake.encode.manifests import RowInputs
+    from featbake.export.source import NO_INPUT
+
+    if not isinstance(inputs, RowInputs) or not rels:
+        return {}
+    files = {rel: inputs.items[rel].file for rel in rels if rel in inputs.items}
+    read, _ = hash_inputs(DigestView(hashes, {}), sorted(set(files.values())))
+    return {rel: NO_INPUT for rel, file in files.items() if file in read}
 
 
 def _built_column(root: Any, given: str | None, candidates: Sequence[str] = ()) -> str | None:

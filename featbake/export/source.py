@@ -61,6 +61,11 @@ RowsOf = Callable[[str], Mapping[str, Any] | None]
 #: writing nothing to it; an item that cannot be read now is left out of the answer.
 DigestsOf = Callable[[Sequence[str], HashCache], Mapping[str, str]]
 
+#: The "digest" :data:`DigestsOf` gives an item whose row the data lists and whose file reads
+#: but holds no such input now (a segment past the end of a recording rewritten shorter): it
+#: keys to no stored feature (a build keys none from it), so the item is changed.
+NO_INPUT = ""
+
 
 @dataclass(frozen=True)
 class RootData:

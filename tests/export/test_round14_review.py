@@ -96,3 +96,45 @@ def test_a_root_built_with_column_is_checked_by_that_column(
         got = torch.tensor(rec["features"]).reshape(rec["features_shape"])
         torch.testing.assert_close(got, live(encoder_file, noisy[i]))
     assert sorted(rec["id"] for rec in table) == ["u0", "u2"], table
+
+
+# == r14.r2: a segment its file no longer holds ====================================================
+def test_a_segment_its_file_no_longer_holds_is_changed_not_unknown(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """A JSONL of segments of three recordings. Then recA is rewritten shorter (0.7 s: s0 now
+    other samples, s1's span 0.5-0.9 s past its end), recB's bytes are replaced by bytes that
+    are no audio, and s3's ``end`` is moved past the end of recC (unchanged). Each of s1, s2
+    and s3 names an input that is not there now, yet the export counted them "cannot be
+    read ... whether they changed is unknown" and exported their old features with the rows'
+    labels (the files read fine: only their spans are not in them). Now a row whose file is
+    read but holds no such input is changed, left out like s0; only s4 is exported."""
+    recs = {}
+    for name, seed in (("recA", 3), ("recB", 4), ("recC", 5)):
+        recs[name] = tmp_path / f"{name}.wav"
+        soundfile.write(recs[name], make_tone(1.0, 16000, seed=seed), 16000)
+        age(recs[name], 60)
+    spans = [("recA", 0.0, 0.4), ("recA", 0.5, 0.9), ("recB", 0.1, 0.5), ("recC", 0.0, 0.5),
+             ("recC", 0.5, 0.9)]  # fmt: skip
+    rows = [
+        {"path": str(recs[r]), "id": f"s{i}", "start": s, "end": e, "label": i}
+        for i, (r, s, e) in enumerate(spans)
+    ]
+    manifest = _jsonl(tmp_path / "seg.jsonl", rows)
+    bake(manifest, encoder_file, store_dir)
+    soundfile.write(recs["recA"], make_tone(0.7, 16000, seed=9), 16000)
+    recs["recB"].write_bytes(b"no audio here" * 100)
+    _jsonl(manifest, [*rows[:3], {**rows[3], "end": 1.5}, rows[4]])
+
+    r = _export(store_dir, tmp_path / "f.parquet")
+    assert r.returncode == 0, _said(r)
+    report = _report(r)
+    assert (report["items"], report["changed"], report["unchecked"]) == (1, 4, 0), _said(r)
+    assert "cannot be read" not in r.stderr, _said(r)
+    assert pq.read_table(tmp_path / "f.parquet").column("id").to_pylist() == ["s4"]
+
+    recs["recC"].unlink()  # a file gone is still unknown (s3, s4), not changed
+    r = _export(store_dir, tmp_path / "f.parquet", "--overwrite")
+    assert r.returncode == 0, _said(r)
+    report = _report(r)
+    assert (report["items"], report["changed"], report["unchecked"]) == (2, 3, 2), _said(r)
