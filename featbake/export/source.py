@@ -175,8 +175,9 @@ class ExportReport:
     #: Stored items whose input changed since the build (its digest now does not give the
     #: item's key): left out, not counted in ``items``.
     changed: int = 0
-    #: Exported items whose input cannot be read now (a file removed): exported as built,
-    #: unchecked. Unlisted items are counted in ``unlisted`` alone.
+    #: Exported items whose input cannot be read now (a file removed; every item where the
+    #: data cannot be opened): exported as built, unchecked. Unlisted items are counted in
+    #: ``unlisted`` alone.
     unchecked: int = 0
 
     def to_json(self) -> dict[str, Any]:
@@ -1192,7 +1193,7 @@ def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export
             input's digest; the CLI reads them from the root's inputs); None: no carried
             columns, and nothing checked. Items whose input changed since the build are left
             out (counted in ``changed``); those whose input cannot be read now are exported
-            as built (``unchecked``).
+            as built (``unchecked``), every item where the data cannot be opened.
         progress: called with ``GcProgress("export", items done, items)``.
         strict_rows: refuse (before writing anything) where the data lists no row for some
             items (removed or renamed since the build), some inputs changed since the build
@@ -1224,6 +1225,8 @@ def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export
             "drop --strict-rows to export keys and ids without them"
         )
     src, matched = matched_to(src, data, strict_rows=strict_rows)
+    if data is None and rows_for is not None:  # the data cannot be opened: nothing checked
+        matched = Matched(unchecked=[path for path, _ in src.present])
     layouts = part_layouts(src)
     rows = matched.rows
     partial = out.with_name(out.name + ".partial")

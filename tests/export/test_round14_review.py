@@ -232,3 +232,28 @@ def test_a_kaldi_root_exported_from_another_directory_is_checked(
     assert r.returncode == 0, _said(r)
     report = _report(r)
     assert (report["items"], report["changed"], report["unchecked"]) == (2, 1, 0), _said(r)
+
+
+# == r14.r5: data that cannot be opened at all =====================================================
+def test_data_that_cannot_be_opened_counts_every_item_unchecked(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """The manifest moved away after the build, and a clip rewritten: nothing can be checked.
+    The export went on (as it should: a store outlives its raw data) but its report said
+    ``"unchecked": 0`` and no line said the items were unchecked, only that the rows' columns
+    were left out: a script that trusts ``unchecked == 0`` took the rewritten clip's old
+    features for checked ones. Now every exported item is counted unchecked, with the line
+    that says so."""
+    clips = _aged_clips(tmp_path, 3)
+    rows = [{"path": str(c), "id": f"u{i}", "label": i} for i, c in enumerate(clips)]
+    manifest = _jsonl(tmp_path / "m.jsonl", rows)
+    bake(manifest, encoder_file, store_dir)
+    _same_size_other_bytes(clips[0])
+    manifest.rename(tmp_path / "moved.jsonl")
+    r = _export(store_dir, tmp_path / "f.parquet")
+    assert r.returncode == 0 and "rows' columns are left out" in r.stderr, _said(r)
+    report = _report(r)
+    assert (report["items"], report["changed"], report["unchecked"]) == (3, 0, 3), _said(r)
+    unread = [line for line in r.stderr.splitlines() if "cannot be read from its data" in line]
+    assert len(unread) == 1 and unread[0].startswith("3 of 3 items"), _said(r)
+    assert "exported as built" in unread[0], unread[0]
