@@ -793,9 +793,12 @@ def _bytes_of(chunk: bytes | memoryview | np.ndarray) -> memoryview:
     return memoryview(chunk).cast("B")
 
 
-def checked_items(src: ExportSource, data: RootData) -> tuple[list[str], list[str]]:
+def checked_items(
+    src: ExportSource, data: RootData, listed: Sequence[str]
+) -> tuple[list[str], list[str]]:
     """The present items whose input changed since the build, and those whose input cannot be
-    read now (the data lists them no more, or their files are gone or unreadable).
+    read now (the data lists them no more, or their files are gone or unreadable); ``listed``:
+    the present items the data lists now (their rows read once, by :func:`matched_to`).
 
     Each item the data lists now has its input's digest now keyed as the build keyed it
     (:func:`featbake.keys.feature_key` of the root's encoder and recipe) and compared with its
@@ -803,7 +806,6 @@ def checked_items(src: ExportSource, data: RootData) -> tuple[list[str], list[st
     stat is unchanged since it was hashed is not read again (a stat per file); one changed,
     or never hashed into this catalog, is read whole.
     """
-    listed = [p for p, _ in src.present if data.row(p) is not None]
     catalog = Catalog(src.layout)
     try:
         now = data.digests(listed, catalog)
@@ -849,9 +851,10 @@ def matched_to(
         return src, Matched()
     found = [data.row(path) for path, _ in src.present]
     carried = [row or {} for row in found]
-    listed = zip(src.present, found, strict=True)
-    unlisted = [p for (p, _), row in listed if row is None] if any(carried) else []
-    changed, unread = checked_items(src, data)
+    listed = [p for (p, _), row in zip(src.present, found, strict=True) if row is not None]
+    unlisted = [p for (p, _), row in zip(src.present, found, strict=True) if row is None]
+    changed, unread = checked_items(src, data, listed)
+    unlisted = unlisted if any(carried) else []
     counted = set(unlisted)
     matched = Matched(carried, unlisted, changed, [p for p in unread if p not in counted])
     stored = len(src.present)

@@ -257,3 +257,42 @@ def test_data_that_cannot_be_opened_counts_every_item_unchecked(
     unread = [line for line in r.stderr.splitlines() if "cannot be read from its data" in line]
     assert len(unread) == 1 and unread[0].startswith("3 of 3 items"), _said(r)
     assert "exported as built" in unread[0], unread[0]
+
+
+# == r14.r6: each row read once =====================================================================
+def test_each_items_row_is_read_once(encoder_file: Path, store_dir: Path, tmp_path: Path) -> None:
+    """Tar shards whose samples carry ``.json`` rows: a row is a member read from its tar.
+    The export read every item's row twice (once for its columns, once more to ask whether
+    the data lists it before keying its input): twice the member reads of a large shard set.
+    The real reader of the root's data (the CLI's), counted: one read per item."""
+    import tarfile
+
+    from featbake.cli.upkeep import _root_rows
+    from featbake.export.parquet import export_parquet
+    from featbake.export.source import RootData
+
+    clips = _aged_clips(tmp_path, 4)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    with tarfile.open(shards / "shard-000000.tar", "w") as tf:
+        for i, clip in enumerate(clips):
+            tf.add(clip, f"c{i}.wav")
+            row = tmp_path / f"c{i}.json"
+            row.write_text(json.dumps({"label": i}))
+            tf.add(row, f"c{i}.json")
+    age(shards / "shard-000000.tar", 60)
+    bake(shards, encoder_file, store_dir)
+    reads: list[str] = []
+
+    def counted(root):
+        data = _root_rows(None)(root)
+
+        def row(path: str):
+            reads.append(path)
+            return data.row(path)
+
+        return RootData(row, data.digests)
+
+    report = export_parquet(tmp_path / "f.parquet", cache=store_dir, rows_for=counted)
+    assert (report.items, report.changed, report.unchecked) == (4, 0, 0), report
+    assert sorted(reads) == sorted(set(reads)) and len(reads) == 4, reads
