@@ -296,3 +296,69 @@ def test_each_items_row_is_read_once(encoder_file: Path, store_dir: Path, tmp_pa
     report = export_parquet(tmp_path / "f.parquet", cache=store_dir, rows_for=counted)
     assert (report.items, report.changed, report.unchecked) == (4, 0, 0), report
     assert sorted(reads) == sorted(set(reads)) and len(reads) == 4, reads
+
+
+# == r14.r7: several roots over the same data in one store ===========================================
+def test_roots_over_the_same_data_are_each_checked_by_their_own_reading(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """One JSONL built twice into one store, by its ``path`` column and by ``--column noisy``:
+    two roots. Each exported with ``--root`` (and a --column that is the other root's) keys
+    its own column's files: no word under --strict-rows; a noisy file rewritten since changes
+    the noisy root's item alone."""
+    clips = _aged_clips(tmp_path, 2)
+    noisy = _aged_clips(tmp_path, 2, "noisy", seed=5)
+    rows = [
+        {"path": str(c), "noisy": str(n), "id": f"u{i}", "label": i}
+        for i, (c, n) in enumerate(zip(clips, noisy, strict=True))
+    ]
+    manifest = _jsonl(tmp_path / "m.jsonl", rows)
+    clean = bake(manifest, encoder_file, store_dir).root
+    dirty = bake(manifest, encoder_file, store_dir, column="noisy").root
+    assert clean != dirty
+    for root, column in ((clean, "noisy"), (dirty, "path"), (clean, None), (dirty, None)):
+        extra = ("--column", column) if column else ()
+        r = _export(store_dir, tmp_path / "f.parquet", "--root", root, "--strict-rows",
+                    "--overwrite", *extra)  # fmt: skip
+        assert r.returncode == 0 and "its data" not in r.stderr, (root, column, _said(r))
+    _same_size_other_bytes(noisy[0])
+    for root, changed in ((clean, 0), (dirty, 1)):
+        r = _export(store_dir, tmp_path / "f.parquet", "--root", root, "--overwrite")
+        assert r.returncode == 0 and _report(r)["changed"] == changed, (root, _said(r))
+
+
+def test_an_image_root_and_its_flipped_view_key_as_built(tmp_path: Path) -> None:
+    """An image folder built with ``--views hflip`` (two roots, one recipe each, the same
+    digests): each exported with --root and --strict-rows, every item; an image rewritten
+    since is left out of both."""
+    transformers = pytest.importorskip("transformers")
+    from PIL import Image
+
+    from featbake.testing import write_image_folder
+
+    images = tmp_path / "images"
+    write_image_folder(images, 3, size=(37, 53), seed=3)
+    for image in images.rglob("*.*"):
+        age(image, 60)
+    torch.manual_seed(0)
+    config = transformers.CLIPVisionConfig(hidden_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, intermediate_size=64,
+                                           image_size=32, patch_size=8)  # fmt: skip
+    folder = tmp_path / "clip"
+    transformers.CLIPVisionModel(config).eval().save_pretrained(folder)
+    proc = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
+    proc(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(folder)
+    store = tmp_path / "s"
+    r = invoke("build", "-e", folder, "-d", images, "--cache", store, "--views", "hflip", "--json")
+    assert r.returncode == 0, _said(r)
+    roots = [rep["root"] for rep in json.loads(r.stdout)]
+    for root in roots:
+        r = _export(store, tmp_path / "f.parquet", "--root", root, "--strict-rows", "--overwrite")
+        assert r.returncode == 0 and _report(r)["items"] == 3, (root, _said(r))
+    first = sorted(p for p in images.rglob("*.*"))[0]
+    st = first.stat()
+    Image.new("RGB", (37, 53), (200, 10, 10)).save(first, format=Image.open(first).format)
+    os.utime(first, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for root in roots:
+        r = _export(store, tmp_path / "f.parquet", "--root", root, "--overwrite")
+        assert r.returncode == 0 and _report(r)["changed"] == 1, (root, _said(r))
