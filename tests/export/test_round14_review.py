@@ -362,3 +362,28 @@ def test_an_image_root_and_its_flipped_view_key_as_built(tmp_path: Path) -> None
     for root in roots:
         r = _export(store, tmp_path / "f.parquet", "--root", root, "--overwrite")
         assert r.returncode == 0 and _report(r)["changed"] == 1, (root, _said(r))
+
+
+# == r14.r8: a symlinked data folder, relative paths, another working directory =====================
+def test_relative_rows_through_a_symlink_key_as_built_from_any_directory(
+    encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A JSONL with paths relative to its folder, reached through a symlinked data folder
+    (``data -> corpus-v1``), built from one working directory and exported from another: no
+    word under --strict-rows (each row's file resolved from the manifest's folder, as the build
+    resolved it); a clip rewritten since is left out."""
+    v1 = tmp_path / "corpus-v1"
+    clips = _aged_clips(v1, 2)
+    rows = [{"path": os.path.relpath(c, v1), "id": f"u{i}", "label": i} for i, c in enumerate(clips)]
+    _jsonl(v1 / "m.jsonl", rows)
+    (tmp_path / "data").symlink_to(v1)
+    monkeypatch.chdir(v1 / "audio")
+    bake(Path("../../data/m.jsonl"), encoder_file, store_dir)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    r = _export(store_dir, tmp_path / "f.parquet", "--strict-rows")
+    assert r.returncode == 0 and "its data" not in r.stderr, _said(r)
+    assert (_report(r)["items"], _report(r)["unchecked"]) == (2, 0), _said(r)
+    _same_size_other_bytes(clips[1])
+    r = _export(store_dir, tmp_path / "f.parquet", "--overwrite")
+    assert r.returncode == 0 and _report(r)["changed"] == 1, _said(r)
