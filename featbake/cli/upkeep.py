@@ -1083,15 +1083,16 @@ def _names_column(root: Any, column: str | None) -> bool:
     return bool(root_id(root.data, root.encoder_label, root.recipe_fp, column) == root.name)
 
 
-#: How many listed rows :func:`_row_columns` reads the column names of.
-ROWS_FOR_COLUMNS = 1_000
+#: How many listed rows :func:`_row_columns` reads the column names of (every row the build
+#: read had the column it named; a few, should some rows hold columns of their own).
+ROWS_FOR_COLUMNS = 8
 
 
 def _row_columns(inputs: Any, listed: set[str]) -> list[str]:
-    """The names of the text columns the first listed rows carry, sorted: where the build
-    may have named one of them with --column (a row's other file columns are carried as
-    labels)."""
+    """The names of the columns the first listed rows carry, sorted: where the build may
+    have named one of them with --column (a row's other file columns, a table's other audio
+    cells, are carried as labels)."""
     names: set[str] = set()
     for path in sorted(listed)[:ROWS_FOR_COLUMNS]:
-        names.update(k for k, v in inputs.row(path).items() if isinstance(v, str))
+        names.update(k for k in inputs.row(path) if isinstance(k, str))
     return sorted(names)

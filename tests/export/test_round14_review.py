@@ -387,3 +387,28 @@ def test_relative_rows_through_a_symlink_key_as_built_from_any_directory(
     _same_size_other_bytes(clips[1])
     r = _export(store_dir, tmp_path / "f.parquet", "--overwrite")
     assert r.returncode == 0 and _report(r)["changed"] == 1, _said(r)
+
+
+def test_a_table_built_by_its_second_audio_column_is_checked_by_it(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """A parquet table with two audio columns (``clean``, ``noisy``) built with ``--column
+    noisy``, exported without --column: the table's default (its first audio column) is
+    not the build's, and every item was "changed": nothing exported, exit 2, over a table
+    that had not changed. The root's name tells the column (a cell's column is a candidate
+    whatever its values hold)."""
+    import pyarrow as pa
+
+    clips = _aged_clips(tmp_path, 2)
+    noisy = _aged_clips(tmp_path, 2, "noisy", seed=5)
+    table = pa.table({
+        "clean": [{"bytes": c.read_bytes(), "path": c.name} for c in clips],
+        "noisy": [{"bytes": c.read_bytes(), "path": c.name} for c in noisy],
+        "label": [0, 1],
+    })  # fmt: skip
+    pq.write_table(table, tmp_path / "t.parquet")
+    age(tmp_path / "t.parquet", 60)
+    assert not bake(tmp_path / "t.parquet", encoder_file, store_dir, column="noisy").failed
+    r = _export(store_dir, tmp_path / "f.parquet", "--strict-rows")
+    assert r.returncode == 0 and "its data" not in r.stderr, _said(r)
+    assert (_report(r)["items"], _report(r)["changed"]) == (2, 0), _said(r)
