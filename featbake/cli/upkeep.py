@@ -822,7 +822,8 @@ def export(
     column: Annotated[
         str | None,
         typer.Option(
-            help="The column the build named with --column, to read the rows' other columns.",
+            help="The column the build named with --column, to read the rows' other columns "
+            "(found without it where the rows carry it: the root's name tells which).",
             show_default=False,
         ),
     ] = None,
@@ -1092,7 +1093,9 @@ def _row_columns(inputs: Any, listed: set[str]) -> list[str]:
     """The names of the columns the first listed rows carry, sorted: where the build may
     have named one of them with --column (a row's other file columns, a table's other audio
     cells, are carried as labels)."""
+    import heapq
+
     names: set[str] = set()
-    for path in sorted(listed)[:ROWS_FOR_COLUMNS]:
+    for path in heapq.nsmallest(ROWS_FOR_COLUMNS, listed):
         names.update(k for k in inputs.row(path) if isinstance(k, str))
     return sorted(names)

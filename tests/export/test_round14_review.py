@@ -158,12 +158,26 @@ def _manifests(tmp_path: Path, clips: list[Path]) -> dict[str, Path]:
     for i, c in enumerate(clips):
         info = soundfile.info(str(c))
         source = {"type": "file", "channels": [0], "source": str(c)}
-        recording = {"id": f"r{i}", "sources": [source], "sampling_rate": info.samplerate,
-                     "num_samples": info.frames, "duration": info.frames / info.samplerate}
+        recording = {
+            "id": f"r{i}",
+            "sources": [source],
+            "sampling_rate": info.samplerate,
+            "num_samples": info.frames,
+            "duration": info.frames / info.samplerate,
+        }
         sup = {"id": f"c{i}", "recording_id": f"r{i}", "start": 0.0, "duration": 0.2,
                "text": f"t{i}"}  # fmt: skip
-        cuts.append({"id": f"c{i}", "start": 0.0, "duration": 0.2, "channel": 0,
-                     "supervisions": [sup], "recording": recording, "type": "MonoCut"})
+        cuts.append(
+            {
+                "id": f"c{i}",
+                "start": 0.0,
+                "duration": 0.2,
+                "channel": 0,
+                "supervisions": [sup],
+                "recording": recording,
+                "type": "MonoCut",
+            }
+        )
     with gzip.open(tmp_path / "cuts.jsonl.gz", "wt") as g:
         g.write("".join(json.dumps(c) + "\n" for c in cuts))
     import pyarrow as pa
@@ -259,7 +273,7 @@ def test_data_that_cannot_be_opened_counts_every_item_unchecked(
     assert "exported as built" in unread[0], unread[0]
 
 
-# == r14.r6: each row read once =====================================================================
+# == r14.r6: each row read once ====================================================================
 def test_each_items_row_is_read_once(encoder_file: Path, store_dir: Path, tmp_path: Path) -> None:
     """Tar shards whose samples carry ``.json`` rows: a row is a member read from its tar.
     The export read every item's row twice (once for its columns, once more to ask whether
@@ -298,7 +312,7 @@ def test_each_items_row_is_read_once(encoder_file: Path, store_dir: Path, tmp_pa
     assert sorted(reads) == sorted(set(reads)) and len(reads) == 4, reads
 
 
-# == r14.r7: several roots over the same data in one store ===========================================
+# == r14.r7: several roots over the same data in one store =========================================
 def test_roots_over_the_same_data_are_each_checked_by_their_own_reading(
     encoder_file: Path, store_dir: Path, tmp_path: Path
 ) -> None:
@@ -364,7 +378,7 @@ def test_an_image_root_and_its_flipped_view_key_as_built(tmp_path: Path) -> None
         assert r.returncode == 0 and _report(r)["changed"] == 1, (root, _said(r))
 
 
-# == r14.r8: a symlinked data folder, relative paths, another working directory =====================
+# == r14.r8: a symlinked data folder, relative paths, another working directory ====================
 def test_relative_rows_through_a_symlink_key_as_built_from_any_directory(
     encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -374,7 +388,9 @@ def test_relative_rows_through_a_symlink_key_as_built_from_any_directory(
     resolved it); a clip rewritten since is left out."""
     v1 = tmp_path / "corpus-v1"
     clips = _aged_clips(v1, 2)
-    rows = [{"path": os.path.relpath(c, v1), "id": f"u{i}", "label": i} for i, c in enumerate(clips)]
+    rows = [
+        {"path": os.path.relpath(c, v1), "id": f"u{i}", "label": i} for i, c in enumerate(clips)
+    ]
     _jsonl(v1 / "m.jsonl", rows)
     (tmp_path / "data").symlink_to(v1)
     monkeypatch.chdir(v1 / "audio")
@@ -389,6 +405,7 @@ def test_relative_rows_through_a_symlink_key_as_built_from_any_directory(
     assert r.returncode == 0 and _report(r)["changed"] == 1, _said(r)
 
 
+# == r14.r9: a table built by its second audio column ==============================================
 def test_a_table_built_by_its_second_audio_column_is_checked_by_it(
     encoder_file: Path, store_dir: Path, tmp_path: Path
 ) -> None:
