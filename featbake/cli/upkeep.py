@@ -822,7 +822,8 @@ def export(
     column: Annotated[
         str | None,
         typer.Option(
-            help="The column the build named with --column, to read the rows' other columns.",
+            help="The column the build named with --column, to read the rows' other columns "
+            "(found without it where the rows carry it: the root's name tells which).",
             show_default=False,
         ),
     ] = None,
@@ -995,10 +996,19 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
         from featbake.export.source import RootData
 
         source = root.recipe.get("source")
-        try:
-            inputs = inputs_at(root.data, column, source)
+
+        def opened(named: str | None) -> tuple[Any, set[str]]:
+            inputs = inputs_at(root.data, named, source)
             # a manifest's rows are read by its scan
-            listed = set(inputs.scan(source_extensions(source)).inputs)
+            return inputs, set(inputs.scan(source_extensions(source)).inputs)
+
+        try:
+            built = _built_column(root, column)
+            inputs, listed = opened(built)
+            if not _names_column(root, built):  # the build named a column the rows carry?
+                found = _built_column(root, built, _row_columns(inputs, listed))
+                if found != built:
+                    inputs, listed = opened(found)
         except (FeatbakeError, OSError) as e:
             if strict:
                 raise ConfigError(
@@ -1016,11 +1026,76 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
             nothing written); those that cannot be read are left out."""
             named = {inputs.path(p): p for p in paths}
             try:
-                now, _ = inputs.hash(DigestView(hashes, {}), list(named))
+                now, bad = inputs.hash(DigestView(hashes, {}), list(named))
+                gone = _inputs_not_in_files(inputs, [named[full] for full in bad], hashes)
             except (FeatbakeError, OSError):
                 return {}
-            return {named[full]: digest for full, digest in now.items()}
+            return {named[full]: digest for full, digest in now.items()} | gone
 
         return RootData(lambda path: inputs.row(path) if path in listed else None, digests)
 
     return rows_for
+
+
+def _inputs_not_in_files(inputs: Any, rels: Sequence[str], hashes: Any) -> dict[str, str]:
+    """Of the rows ``rels`` that are no input now, those whose file reads (a segment past the
+    end of a recording rewritten shorter, or in bytes that are no audio now), each given
+    :data:`~featbake.export.source.NO_INPUT`: the build read that row's input, so its row or
+    file changed since. A row whose file cannot be read is left out (unknown)."""
+    from featbake.encode.fingerprints import hash_inputs
+    from featbake.encode.inputs import DigestView
+    from featbake.encode.manifests import RowInputs
+    from featbake.export.source import NO_INPUT
+
+    if not isinstance(inputs, RowInputs) or not rels:
+        return {}
+    files = {rel: inputs.items[rel].file for rel in rels if rel in inputs.items}
+    read, _ = hash_inputs(DigestView(hashes, {}), sorted(set(files.values())))
+    return {rel: NO_INPUT for rel, file in files.items() if file in read}
+
+
+def _built_column(root: Any, given: str | None, candidates: Sequence[str] = ()) -> str | None:
+    """The column the root's build named (its name is ``keys.root_id`` of the data, encoder,
+    recipe and that column): ``given`` where the name says so, else the build's default
+    (None) or the first of ``candidates`` (columns the rows carry) the name says it was;
+    ``given`` where none is (a root named otherwise: read as the user says).
+
+    An export keys each item's input by this column: by another, every item read as another
+    file's would be "changed" (a row's clean ``path`` read for a build of its ``noisy``).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> from featbake.keys import root_id
+        >>> root = SimpleNamespace(data="/d/m.jsonl", encoder_label="e", recipe_fp="0" * 64)
+        >>> root.name = root_id(root.data, "e", "0" * 64, "noisy")
+        >>> _built_column(root, None, ["label", "noisy"]), _built_column(root, "x")
+        ('noisy', 'x')
+    """
+    if _names_column(root, given):
+        return given
+    found = (c for c in (None, *candidates) if c != given and _names_column(root, c))
+    return next(found, given)
+
+
+def _names_column(root: Any, column: str | None) -> bool:
+    """Whether the root's name is that of a build that named ``column`` (None: none)."""
+    from featbake.keys import root_id
+
+    return bool(root_id(root.data, root.encoder_label, root.recipe_fp, column) == root.name)
+
+
+#: How many listed rows :func:`_row_columns` reads the column names of (every row the build
+#: read had the column it named; a few, should some rows hold columns of their own).
+ROWS_FOR_COLUMNS = 8
+
+
+def _row_columns(inputs: Any, listed: set[str]) -> list[str]:
+    """The names of the columns the first listed rows carry, sorted: where the build may
+    have named one of them with --column (a row's other file columns, a table's other audio
+    cells, are carried as labels)."""
+    import heapq
+
+    names: set[str] = set()
+    for path in heapq.nsmallest(ROWS_FOR_COLUMNS, listed):
+        names.update(k for k in inputs.row(path) if isinstance(k, str))
+    return sorted(names)

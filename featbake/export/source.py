@@ -61,6 +61,11 @@ RowsOf = Callable[[str], Mapping[str, Any] | None]
 #: writing nothing to it; an item that cannot be read now is left out of the answer.
 DigestsOf = Callable[[Sequence[str], HashCache], Mapping[str, str]]
 
+#: The "digest" :data:`DigestsOf` gives an item whose row the data lists and whose file reads
+#: but holds no such input now (a segment past the end of a recording rewritten shorter): it
+#: keys to no stored feature (a build keys none from it), so the item is changed.
+NO_INPUT = ""
+
 
 @dataclass(frozen=True)
 class RootData:
@@ -170,8 +175,9 @@ class ExportReport:
     #: Stored items whose input changed since the build (its digest now does not give the
     #: item's key): left out, not counted in ``items``.
     changed: int = 0
-    #: Exported items whose input cannot be read now (a file removed): exported as built,
-    #: unchecked. Unlisted items are counted in ``unlisted`` alone.
+    #: Exported items whose input cannot be read now (a file removed; every item where the
+    #: data cannot be opened): exported as built, unchecked. Unlisted items are counted in
+    #: ``unlisted`` alone.
     unchecked: int = 0
 
     def to_json(self) -> dict[str, Any]:
@@ -787,9 +793,12 @@ def _bytes_of(chunk: bytes | memoryview | np.ndarray) -> memoryview:
     return memoryview(chunk).cast("B")
 
 
-def checked_items(src: ExportSource, data: RootData) -> tuple[list[str], list[str]]:
+def checked_items(
+    src: ExportSource, data: RootData, listed: Sequence[str]
+) -> tuple[list[str], list[str]]:
     """The present items whose input changed since the build, and those whose input cannot be
-    read now (the data lists them no more, or their files are gone or unreadable).
+    read now (the data lists them no more, or their files are gone or unreadable); ``listed``:
+    the present items the data lists now (their rows read once, by :func:`matched_to`).
 
     Each item the data lists now has its input's digest now keyed as the build keyed it
     (:func:`featbake.keys.feature_key` of the root's encoder and recipe) and compared with its
@@ -797,7 +806,6 @@ def checked_items(src: ExportSource, data: RootData) -> tuple[list[str], list[st
     stat is unchanged since it was hashed is not read again (a stat per file); one changed,
     or never hashed into this catalog, is read whole.
     """
-    listed = [p for p, _ in src.present if data.row(p) is not None]
     catalog = Catalog(src.layout)
     try:
         now = data.digests(listed, catalog)
@@ -843,9 +851,10 @@ def matched_to(
         return src, Matched()
     found = [data.row(path) for path, _ in src.present]
     carried = [row or {} for row in found]
-    listed = zip(src.present, found, strict=True)
-    unlisted = [p for (p, _), row in listed if row is None] if any(carried) else []
-    changed, unread = checked_items(src, data)
+    listed = [p for (p, _), row in zip(src.present, found, strict=True) if row is not None]
+    unlisted = [p for (p, _), row in zip(src.present, found, strict=True) if row is None]
+    changed, unread = checked_items(src, data, listed)
+    unlisted = unlisted if any(carried) else []
     counted = set(unlisted)
     matched = Matched(carried, unlisted, changed, [p for p in unread if p not in counted])
     stored = len(src.present)
@@ -1187,7 +1196,7 @@ def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export
             input's digest; the CLI reads them from the root's inputs); None: no carried
             columns, and nothing checked. Items whose input changed since the build are left
             out (counted in ``changed``); those whose input cannot be read now are exported
-            as built (``unchecked``).
+            as built (``unchecked``), every item where the data cannot be opened.
         progress: called with ``GcProgress("export", items done, items)``.
         strict_rows: refuse (before writing anything) where the data lists no row for some
             items (removed or renamed since the build), some inputs changed since the build
@@ -1219,6 +1228,8 @@ def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export
             "drop --strict-rows to export keys and ids without them"
         )
     src, matched = matched_to(src, data, strict_rows=strict_rows)
+    if data is None and rows_for is not None:  # the data cannot be opened: nothing checked
+        matched = Matched(unchecked=[path for path, _ in src.present])
     layouts = part_layouts(src)
     rows = matched.rows
     partial = out.with_name(out.name + ".partial")
