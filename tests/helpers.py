@@ -110,6 +110,11 @@ def assert_serves(
     return served
 
 
+def printed(r: Any) -> str:
+    """All a finished command printed (a subprocess's or ``invoke``'s result), stripped."""
+    return (r.stdout + r.stderr).strip()
+
+
 def age(path: Path, seconds: float) -> None:
     """Make a file look ``seconds`` old."""
     st = path.stat()

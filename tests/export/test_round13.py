@@ -25,7 +25,8 @@ from featbake.export.source import carried_names
 from featbake.export.webdataset import part_extensions
 from featbake.testing import TinyConvEncoder, make_tone, save_torchscript, write_audio_folder
 from tests.conftest import invoke, run_cli
-from tests.helpers import Live, bake
+from tests.encode.test_manifests import write_jsonl
+from tests.helpers import Live, bake, printed
 
 pq = pytest.importorskip("pyarrow.parquet")
 zarr = pytest.importorskip("zarr")
@@ -36,18 +37,9 @@ def _clips(tmp_path: Path, n: int = 4) -> list[Path]:
     return sorted((tmp_path / "audio").rglob("*.wav"))
 
 
-def _said(r) -> str:
-    return (r.stdout + r.stderr).strip()
-
-
-def _jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def _one_red_line(r) -> str:
     """The one line a refused command printed (no traceback, no internal error)."""
-    said = _said(r)
+    said = printed(r)
     assert "Traceback" not in said and "internal error" not in said, said
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, said
@@ -80,16 +72,16 @@ def test_items_whose_rows_left_the_manifest_are_warned_of_or_refused(
     ``--strict-rows`` one red line, exit 2, nothing written."""
     clips = _clips(tmp_path)
     rows = [{"path": str(c), "id": f"u{i}", "label": 10 + i} for i, c in enumerate(clips)]
-    manifest = _jsonl(tmp_path / "m.jsonl", rows)
+    manifest = write_jsonl(tmp_path / "m.jsonl", rows)
     bake(manifest, encoder_file, store_dir)
     changed = [rows[0], {**rows[1], "id": "u1b"}, {**rows[2], "label": 99}]  # u3 deleted
-    _jsonl(manifest, changed)
+    write_jsonl(manifest, changed)
 
     out = tmp_path / "f.parquet"
     r = run_cli("export", "--format", "parquet", out, "--cache", store_dir)
-    assert r.returncode == 0, _said(r)
-    warned = [line for line in _said(r).splitlines() if "no row" in line]
-    assert len(warned) == 1, _said(r)
+    assert r.returncode == 0, printed(r)
+    warned = [line for line in printed(r).splitlines() if "no row" in line]
+    assert len(warned) == 1, printed(r)
     assert "2 of 4 items" in warned[0] and "--strict-rows" in warned[0], warned[0]
     assert "featbake build" in warned[0], warned[0]
     got = {rec["id"]: rec["label"] for rec in pq.read_table(out).to_pylist()}
@@ -101,9 +93,9 @@ def test_items_whose_rows_left_the_manifest_are_warned_of_or_refused(
     assert r.returncode == 2 and "2 of 4 items" in line and "u1" in line, line
     assert not strict.exists() and not Path(f"{strict}.partial").exists()
 
-    _jsonl(manifest, rows)  # the manifest as built: no word, and --strict-rows exports
+    write_jsonl(manifest, rows)  # the manifest as built: no word, and --strict-rows exports
     r = invoke("export", strict, "--cache", store_dir, "--strict-rows")
-    assert r.returncode == 0 and "no row" not in _said(r), _said(r)
+    assert r.returncode == 0 and "no row" not in printed(r), printed(r)
 
 
 def test_strict_rows_refuses_a_root_whose_rows_cannot_be_read(
@@ -113,11 +105,11 @@ def test_strict_rows_refuses_a_root_whose_rows_cannot_be_read(
     exported (as before); under ``--strict-rows`` a refusal (no rows at all is no row for
     every item)."""
     clips = _clips(tmp_path, 2)
-    manifest = _jsonl(tmp_path / "m.jsonl", [{"path": str(c), "label": 1} for c in clips])
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"path": str(c), "label": 1} for c in clips])
     bake(manifest, encoder_file, store_dir)
     manifest.rename(tmp_path / "moved.jsonl")
     r = invoke("export", tmp_path / "a.zarr", "--cache", store_dir)
-    assert r.returncode == 0 and "rows' columns are left out" in _said(r), _said(r)
+    assert r.returncode == 0 and "rows' columns are left out" in printed(r), printed(r)
     r = invoke("export", tmp_path / "b.zarr", "--cache", store_dir, "--strict-rows")
     line = _one_red_line(r)
     assert r.returncode == 2 and "cannot be read" in line and "--strict-rows" in line, line
@@ -160,18 +152,18 @@ def test_overwrite_refuses_the_data_a_root_was_built_from(
     assert {p.name: p.read_bytes() for p in shards.iterdir()} == before
     for out in (tmp_path, store_dir):  # holds the data; is the store
         r = invoke("export", "--format", "webdataset", out, "--cache", store_dir, "--overwrite")
-        assert r.returncode == 2, _said(r)
+        assert r.returncode == 2, printed(r)
     assert {p.name: p.read_bytes() for p in shards.iterdir()} == before
 
     inside = shards / "feats.zarr"  # inside the data: its next scan would find the export
     r = invoke("export", inside, "--cache", store_dir)
-    assert r.returncode == 2 and not inside.exists(), _said(r)
+    assert r.returncode == 2 and not inside.exists(), printed(r)
 
     # a genuine earlier export is still replaced
     wds = tmp_path / "out-wds"
     for _ in range(2):
         r = invoke("export", "--format", "webdataset", wds, "--cache", store_dir, "--overwrite")
-        assert r.returncode == 0, _said(r)
+        assert r.returncode == 0, printed(r)
     assert len(_wds_samples(wds)) == 3
 
 
@@ -182,17 +174,17 @@ def test_overwrite_replaces_only_a_parquet_file(
     or the manifest itself (the data). Now a file that is not Parquet, and the manifest, are
     refused in one line; an earlier export is replaced."""
     clips = _clips(tmp_path, 2)
-    manifest = _jsonl(tmp_path / "m.jsonl", [{"path": str(c), "label": 1} for c in clips])
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"path": str(c), "label": 1} for c in clips])
     bake(manifest, encoder_file, store_dir)
     for target in (clips[0], manifest):
         before = target.read_bytes()
         r = invoke("export", "--format", "parquet", target, "--cache", store_dir, "--overwrite")
-        assert r.returncode == 2, _said(r)
+        assert r.returncode == 2, printed(r)
         assert target.read_bytes() == before
     out = tmp_path / "f.parquet"
     for _ in range(2):
         r = invoke("export", "--format", "parquet", out, "--cache", store_dir, "--overwrite")
-        assert r.returncode == 0, _said(r)
+        assert r.returncode == 0, printed(r)
     assert pq.read_table(out).num_rows == 2
 
 
@@ -206,7 +198,7 @@ def test_an_out_of_dot_or_the_filesystem_root_is_checked_as_the_folder_it_names(
     bake(tmp_path / "audio", encoder_file, store_dir)
     for out in (".", "/"):
         r = invoke("export", out, "--cache", store_dir, "--overwrite", cwd=tmp_path)
-        assert r.returncode == 2, _said(r)
+        assert r.returncode == 2, printed(r)
         _one_red_line(r)
     assert store_dir.is_dir() and (tmp_path / "audio").is_dir()
 
@@ -229,14 +221,14 @@ def test_whole_numbers_past_int64_export_to_zarr_as_parquet_writes_them(
         {"path": str(c), "id": f"u{i}", "hash": hashes[i], "big": bigs[i], "near": nears[i]}
         for i, c in enumerate(clips)
     ]
-    bake(_jsonl(tmp_path / "m.jsonl", rows), encoder_file, store_dir)
+    bake(write_jsonl(tmp_path / "m.jsonl", rows), encoder_file, store_dir)
     out = tmp_path / "f.zarr"
     r = run_cli("export", out, "--cache", store_dir)
-    said = _said(r)
+    said = printed(r)
     assert "internal error" not in said and "Traceback" not in said, said
     assert r.returncode == 0, said
     r = invoke("export", "--format", "parquet", tmp_path / "f.parquet", "--cache", store_dir)
-    assert r.returncode == 0, _said(r)
+    assert r.returncode == 0, printed(r)
     g = zarr.open_group(str(out), mode="r")
     by_id = {row["id"]: row for row in rows}
     order = [by_id[str(p)] for p in g["paths"][:]]
@@ -279,10 +271,10 @@ def test_columns_differing_only_in_case_keep_an_array_each_in_zarr(
         {"path": str(c), "id": f"u{i}", "Label": f"a{i}", "label": f"m{i}"}
         for i, c in enumerate(clips)
     ]
-    bake(_jsonl(tmp_path / "m.jsonl", rows), encoder_file, store_dir)
+    bake(write_jsonl(tmp_path / "m.jsonl", rows), encoder_file, store_dir)
     for fmt in ("zarr", "parquet", "webdataset"):
         r = invoke("export", "--format", fmt, tmp_path / fmt, "--cache", store_dir)
-        assert r.returncode == 0, _said(r)
+        assert r.returncode == 0, printed(r)
     by_id = {row["id"]: row for row in rows}
     g = zarr.open_group(str(tmp_path / "zarr"), mode="r")
     assert sorted(g["columns"].array_keys()) == ["Label", "row_label"]
@@ -333,10 +325,10 @@ def test_parts_named_as_an_exports_own_names_keep_their_features(
     enc = save_torchscript(_OddParts(), tmp_path / "odd.pt")
     clips = _clips(tmp_path, 2)
     rows = [{"path": str(c), "id": f"u{i}", "label": i} for i, c in enumerate(clips)]
-    bake(_jsonl(tmp_path / "m.jsonl", rows), enc, store_dir)
+    bake(write_jsonl(tmp_path / "m.jsonl", rows), enc, store_dir)
     for fmt in ("zarr", "parquet", "webdataset"):
         r = invoke("export", "--format", fmt, tmp_path / fmt, "--cache", store_dir)
-        said = _said(r)
+        said = printed(r)
         assert "internal error" not in said and r.returncode == 0, (fmt, said)
     live = Live()
     path_of = {row["id"]: Path(row["path"]) for row in rows}
@@ -403,7 +395,7 @@ def test_columns_named_past_a_file_names_bytes_or_with_a_nul_or_lone_surrogate_e
     bake(tmp_path / "m.jsonl", encoder_file, store_dir)
     for fmt in ("zarr", "parquet", "webdataset"):
         r = invoke("export", "--format", fmt, tmp_path / fmt, "--cache", store_dir)
-        said = _said(r)
+        said = printed(r)
         assert "internal error" not in said and r.returncode == 0, (fmt, said)
     g = zarr.open_group(str(tmp_path / "zarr"), mode="r")
     columns = {name: g[f"columns/{name}"][:].tolist() for name in g["columns"].array_keys()}

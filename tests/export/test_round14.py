@@ -27,23 +27,15 @@ import torch
 
 from featbake.testing import make_tone, write_audio_folder
 from tests.conftest import invoke
-from tests.helpers import Live, age, bake
+from tests.encode.test_manifests import write_jsonl
+from tests.helpers import Live, age, bake, printed
 
 pq = pytest.importorskip("pyarrow.parquet")
 zarr = pytest.importorskip("zarr")
 
 
-def _said(r) -> str:
-    return (r.stdout + r.stderr).strip()
-
-
-def _jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def _lines(r, word: str) -> list[str]:
-    return [line for line in _said(r).splitlines() if word in line]
+    return [line for line in printed(r).splitlines() if word in line]
 
 
 def _aged_clips(tmp_path: Path, n: int) -> list[Path]:
@@ -90,24 +82,24 @@ def test_rows_whose_files_changed_are_left_out_and_the_rest_match_the_encoder_no
     kept = tmp_path / "u2-as-built.wav"
     shutil.copy2(clips[2], kept)
     rows = [{"path": str(c), "id": f"u{i}", "label": 10 + i} for i, c in enumerate(clips)]
-    manifest = _jsonl(tmp_path / "m.jsonl", rows)
+    manifest = write_jsonl(tmp_path / "m.jsonl", rows)
     bake(manifest, encoder_file, store_dir)
     _same_size_other_bytes(clips[0])
     other = tmp_path / "other.wav"
     soundfile.write(other, make_tone(0.45, 16000, seed=7), 16000)
     os.replace(other, clips[1])
     clips[2].unlink()
-    _jsonl(manifest, [*rows[:3], {**rows[3], "label": 99}, rows[4]])
+    write_jsonl(manifest, [*rows[:3], {**rows[3], "label": 99}, rows[4]])
 
     out = tmp_path / "f.parquet"
     r = invoke("export", "--format", "parquet", out, "--cache", store_dir, "--json")
-    assert r.returncode == 0, _said(r)
+    assert r.returncode == 0, printed(r)
     changed = _lines(r, "changed in its data since the build")
-    assert len(changed) == 1 and changed[0].startswith("2 of 5 items of root "), _said(r)
+    assert len(changed) == 1 and changed[0].startswith("2 of 5 items of root "), printed(r)
     assert "left out" in changed[0] and "featbake build" in changed[0], changed[0]
     assert "--strict-rows" in changed[0], changed[0]
     unread = _lines(r, "cannot be read from its data now")
-    assert len(unread) == 1 and unread[0].startswith("1 of 5 items"), _said(r)
+    assert len(unread) == 1 and unread[0].startswith("1 of 5 items"), printed(r)
     assert "exported as built" in unread[0], unread[0]
     report = json.loads(r.stdout[r.stdout.index("{") :])
     assert (report["items"], report["changed"], report["unchecked"]) == (3, 2, 1), report
@@ -124,7 +116,7 @@ def test_rows_whose_files_changed_are_left_out_and_the_rest_match_the_encoder_no
     for fmt in ("zarr", "webdataset"):  # the same items in every format
         dest = tmp_path / fmt
         r = invoke("export", "--format", fmt, dest, "--cache", store_dir)
-        assert r.returncode == 0 and len(_lines(r, "changed in its data")) == 1, _said(r)
+        assert r.returncode == 0 and len(_lines(r, "changed in its data")) == 1, printed(r)
         if fmt == "zarr":
             ids = [str(p) for p in zarr.open_group(str(dest), mode="r")["paths"][:]]
         else:
@@ -143,13 +135,13 @@ def test_strict_rows_refuses_changed_or_unreadable_files_writing_nothing(
     clips = _aged_clips(tmp_path, 3)
     saved = {c: c.read_bytes() for c in clips}
     rows = [{"path": str(c), "id": f"u{i}", "label": i} for i, c in enumerate(clips)]
-    bake(_jsonl(tmp_path / "m.jsonl", rows), encoder_file, store_dir)
+    bake(write_jsonl(tmp_path / "m.jsonl", rows), encoder_file, store_dir)
     _same_size_other_bytes(clips[1])
 
     out = tmp_path / "s.zarr"
     r = invoke("export", out, "--cache", store_dir, "--strict-rows")
     lines = [line.removeprefix("error: ") for line in r.stderr.splitlines() if line.strip()]
-    assert r.returncode == 2 and len(lines) == 1, _said(r)
+    assert r.returncode == 2 and len(lines) == 1, printed(r)
     assert lines[0].startswith("1 of 3 items of root ") and "'u1'" in lines[0], lines[0]
     assert "changed in its data" in lines[0] and "drop --strict-rows" in lines[0], lines[0]
     assert not out.exists() and not Path(f"{out}.partial").exists()
@@ -157,12 +149,12 @@ def test_strict_rows_refuses_changed_or_unreadable_files_writing_nothing(
     clips[1].write_bytes(saved[clips[1]])  # the bytes as built, under a new stat: read again
     clips[2].unlink()
     r = invoke("export", out, "--cache", store_dir, "--strict-rows")
-    assert r.returncode == 2 and "cannot be read from its data" in _said(r), _said(r)
-    assert "'u2'" in _said(r) and not out.exists(), _said(r)
+    assert r.returncode == 2 and "cannot be read from its data" in printed(r), printed(r)
+    assert "'u2'" in printed(r) and not out.exists(), printed(r)
 
     clips[2].write_bytes(saved[clips[2]])
     r = invoke("export", out, "--cache", store_dir, "--strict-rows")
-    assert r.returncode == 0 and "its data" not in _said(r), _said(r)
+    assert r.returncode == 0 and "its data" not in printed(r), printed(r)
     assert len(zarr.open_group(str(out), mode="r")["paths"][:]) == 3
 
 
@@ -179,8 +171,8 @@ def test_a_folder_root_and_moved_segment_bounds_are_checked_too(
     _same_size_other_bytes(clips[0])
     clips[1].unlink()
     r = invoke("export", "--format", "parquet", tmp_path / "a.parquet", "--cache", store_dir / "a")
-    assert r.returncode == 0 and _lines(r, "changed")[0].startswith("1 of 3"), _said(r)
-    assert _lines(r, "cannot be read from")[0].startswith("1 of 3"), _said(r)
+    assert r.returncode == 0 and _lines(r, "changed")[0].startswith("1 of 3"), printed(r)
+    assert _lines(r, "cannot be read from")[0].startswith("1 of 3"), printed(r)
     ids = pq.read_table(tmp_path / "a.parquet").column("id").to_pylist()
     assert len(ids) == 2 and clips[0].name not in " ".join(ids), ids
     assert clips[1].name in " ".join(ids), ids
@@ -192,12 +184,12 @@ def test_a_folder_root_and_moved_segment_bounds_are_checked_too(
         {"path": str(rec), "id": "s0", "start": 0.0, "end": 0.4, "label": 0},
         {"path": str(rec), "id": "s1", "start": 0.5, "end": 0.9, "label": 1},
     ]
-    manifest = _jsonl(tmp_path / "seg.jsonl", rows)
+    manifest = write_jsonl(tmp_path / "seg.jsonl", rows)
     bake(manifest, encoder_file, store_dir / "s")
-    _jsonl(manifest, [rows[0], {**rows[1], "end": 1.0}])
+    write_jsonl(manifest, [rows[0], {**rows[1], "end": 1.0}])
     out = tmp_path / "s.parquet"
     r = invoke("export", "--format", "parquet", out, "--cache", store_dir / "s")
-    assert r.returncode == 0 and _lines(r, "changed")[0].startswith("1 of 2"), _said(r)
+    assert r.returncode == 0 and _lines(r, "changed")[0].startswith("1 of 2"), printed(r)
     assert pq.read_table(out).column("id").to_pylist() == ["s0"]
 
 
@@ -224,13 +216,13 @@ def test_data_as_built_exports_every_item_with_no_word(
     age(shards / "shard-000000.tar", 60)
     for name, data in (
         ("folder", tmp_path / "audio"),
-        ("segments", _jsonl(tmp_path / "m.jsonl", rows)),
+        ("segments", write_jsonl(tmp_path / "m.jsonl", rows)),
         ("tars", shards),
     ):
         bake(data, encoder_file, store_dir / name)
         r = invoke("export", tmp_path / f"{name}.zarr", "--cache", store_dir / name,
                    "--strict-rows", "--json")  # fmt: skip
-        assert r.returncode == 0 and "its data" not in r.stderr, (name, _said(r))
+        assert r.returncode == 0 and "its data" not in r.stderr, (name, printed(r))
         report = json.loads(r.stdout[r.stdout.index("{") :])
         assert (report["items"], report["changed"], report["unchecked"]) == (2, 0, 0), report
 
@@ -243,12 +235,12 @@ def test_every_item_changed_is_one_line_and_nothing_written(
     that says so and what to do, exit 2, nothing written."""
     clips = _aged_clips(tmp_path, 2)
     rows = [{"path": str(c), "id": f"u{i}", "label": i} for i, c in enumerate(clips)]
-    bake(_jsonl(tmp_path / "m.jsonl", rows), encoder_file, store_dir)
+    bake(write_jsonl(tmp_path / "m.jsonl", rows), encoder_file, store_dir)
     for clip in clips:
         _same_size_other_bytes(clip)
     out = tmp_path / "f.parquet"
     r = invoke("export", "--format", "parquet", out, "--cache", store_dir)
     lines = [line.removeprefix("error: ") for line in r.stderr.splitlines() if line.strip()]
-    assert r.returncode == 2 and len(lines) == 1, _said(r)
+    assert r.returncode == 2 and len(lines) == 1, printed(r)
     assert lines[0].startswith("2 of 2 items") and "nothing is left" in lines[0], lines[0]
     assert "featbake build" in lines[0] and not out.exists(), lines[0]

@@ -20,18 +20,10 @@ import torch
 
 from featbake.testing import make_tone, write_audio_folder
 from tests.conftest import invoke
-from tests.helpers import Live, age, bake
+from tests.encode.test_manifests import write_jsonl
+from tests.helpers import Live, age, bake, printed
 
 pq = pytest.importorskip("pyarrow.parquet")
-
-
-def _said(r) -> str:
-    return (r.stdout + r.stderr).strip()
-
-
-def _jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def _report(r) -> dict:
@@ -75,10 +67,10 @@ def test_a_root_built_with_column_is_checked_by_that_column(
         {"path": str(c), "noisy": str(n), "id": f"u{i}", "label": i}
         for i, (c, n) in enumerate(zip(clips, noisy, strict=True))
     ]
-    bake(_jsonl(tmp_path / "m.jsonl", rows), encoder_file, store_dir, column="noisy")
+    bake(write_jsonl(tmp_path / "m.jsonl", rows), encoder_file, store_dir, column="noisy")
     for extra in ((), ("--column", "path"), ("--column", "noisy")):
         r = _export(store_dir, tmp_path / "f.parquet", "--strict-rows", "--overwrite", *extra)
-        assert r.returncode == 0 and "its data" not in r.stderr, (extra, _said(r))
+        assert r.returncode == 0 and "its data" not in r.stderr, (extra, printed(r))
         report = _report(r)
         assert (report["items"], report["changed"], report["unchecked"]) == (3, 0, 0), report
         got = {rec["id"]: rec["label"] for rec in pq.read_table(tmp_path / "f.parquet").to_pylist()}
@@ -87,8 +79,8 @@ def test_a_root_built_with_column_is_checked_by_that_column(
     _same_size_other_bytes(noisy[1])
     _same_size_other_bytes(clips[2])  # not the column built from: no change to its item
     r = _export(store_dir, tmp_path / "f.parquet", "--overwrite")
-    assert r.returncode == 0, _said(r)
-    assert (_report(r)["items"], _report(r)["changed"]) == (2, 1), _said(r)
+    assert r.returncode == 0, printed(r)
+    assert (_report(r)["items"], _report(r)["changed"]) == (2, 1), printed(r)
     table = pq.read_table(tmp_path / "f.parquet").to_pylist()
     live = Live()
     for rec in table:
@@ -120,24 +112,24 @@ def test_a_segment_its_file_no_longer_holds_is_changed_not_unknown(
         {"path": str(recs[r]), "id": f"s{i}", "start": s, "end": e, "label": i}
         for i, (r, s, e) in enumerate(spans)
     ]
-    manifest = _jsonl(tmp_path / "seg.jsonl", rows)
+    manifest = write_jsonl(tmp_path / "seg.jsonl", rows)
     bake(manifest, encoder_file, store_dir)
     soundfile.write(recs["recA"], make_tone(0.7, 16000, seed=9), 16000)
     recs["recB"].write_bytes(b"no audio here" * 100)
-    _jsonl(manifest, [*rows[:3], {**rows[3], "end": 1.5}, rows[4]])
+    write_jsonl(manifest, [*rows[:3], {**rows[3], "end": 1.5}, rows[4]])
 
     r = _export(store_dir, tmp_path / "f.parquet")
-    assert r.returncode == 0, _said(r)
+    assert r.returncode == 0, printed(r)
     report = _report(r)
-    assert (report["items"], report["changed"], report["unchecked"]) == (1, 4, 0), _said(r)
-    assert "cannot be read" not in r.stderr, _said(r)
+    assert (report["items"], report["changed"], report["unchecked"]) == (1, 4, 0), printed(r)
+    assert "cannot be read" not in r.stderr, printed(r)
     assert pq.read_table(tmp_path / "f.parquet").column("id").to_pylist() == ["s4"]
 
     recs["recC"].unlink()  # a file gone is still unknown (s3, s4), not changed
     r = _export(store_dir, tmp_path / "f.parquet", "--overwrite")
-    assert r.returncode == 0, _said(r)
+    assert r.returncode == 0, printed(r)
     report = _report(r)
-    assert (report["items"], report["changed"], report["unchecked"]) == (2, 3, 2), _said(r)
+    assert (report["items"], report["changed"], report["unchecked"]) == (2, 3, 2), printed(r)
 
 
 def _manifests(tmp_path: Path, clips: list[Path]) -> dict[str, Path]:
@@ -206,8 +198,8 @@ def test_csv_kaldi_cuts_and_tables_key_as_built_and_catch_a_change(
         column = "audio" if name == "table" else None
         assert not bake(where, encoder_file, store_dir / name, column=column).failed
         r = _export(store_dir / name, tmp_path / f"{name}.parquet", "--strict-rows")
-        assert r.returncode == 0 and "its data" not in r.stderr, (name, _said(r))
-        assert (_report(r)["items"], _report(r)["changed"]) == (3, 0), (name, _said(r))
+        assert r.returncode == 0 and "its data" not in r.stderr, (name, printed(r))
+        assert (_report(r)["items"], _report(r)["changed"]) == (3, 0), (name, printed(r))
 
     _same_size_other_bytes(clips[1])
     import pyarrow as pa
@@ -216,7 +208,7 @@ def test_csv_kaldi_cuts_and_tables_key_as_built_and_catch_a_change(
     pq.write_table(pa.table({"audio": cells, "label": [0, 1, 2]}), data["table"])
     for name in data:
         r = _export(store_dir / name, tmp_path / f"{name}.parquet", "--overwrite")
-        assert r.returncode == 0, (name, _said(r))
+        assert r.returncode == 0, (name, printed(r))
         report = _report(r)
         assert (report["items"], report["changed"], report["unchecked"]) == (2, 1, 0), (name, r)
 
@@ -243,9 +235,9 @@ def test_a_kaldi_root_exported_from_another_directory_is_checked(
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     r = _export(store_dir, tmp_path / "k.parquet")
-    assert r.returncode == 0, _said(r)
+    assert r.returncode == 0, printed(r)
     report = _report(r)
-    assert (report["items"], report["changed"], report["unchecked"]) == (2, 1, 0), _said(r)
+    assert (report["items"], report["changed"], report["unchecked"]) == (2, 1, 0), printed(r)
 
 
 # == r14.r5: data that cannot be opened at all =====================================================
@@ -260,16 +252,16 @@ def test_data_that_cannot_be_opened_counts_every_item_unchecked(
     that says so."""
     clips = _aged_clips(tmp_path, 3)
     rows = [{"path": str(c), "id": f"u{i}", "label": i} for i, c in enumerate(clips)]
-    manifest = _jsonl(tmp_path / "m.jsonl", rows)
+    manifest = write_jsonl(tmp_path / "m.jsonl", rows)
     bake(manifest, encoder_file, store_dir)
     _same_size_other_bytes(clips[0])
     manifest.rename(tmp_path / "moved.jsonl")
     r = _export(store_dir, tmp_path / "f.parquet")
-    assert r.returncode == 0 and "rows' columns are left out" in r.stderr, _said(r)
+    assert r.returncode == 0 and "rows' columns are left out" in r.stderr, printed(r)
     report = _report(r)
-    assert (report["items"], report["changed"], report["unchecked"]) == (3, 0, 3), _said(r)
+    assert (report["items"], report["changed"], report["unchecked"]) == (3, 0, 3), printed(r)
     unread = [line for line in r.stderr.splitlines() if "cannot be read from its data" in line]
-    assert len(unread) == 1 and unread[0].startswith("3 of 3 items"), _said(r)
+    assert len(unread) == 1 and unread[0].startswith("3 of 3 items"), printed(r)
     assert "exported as built" in unread[0], unread[0]
 
 
@@ -326,7 +318,7 @@ def test_roots_over_the_same_data_are_each_checked_by_their_own_reading(
         {"path": str(c), "noisy": str(n), "id": f"u{i}", "label": i}
         for i, (c, n) in enumerate(zip(clips, noisy, strict=True))
     ]
-    manifest = _jsonl(tmp_path / "m.jsonl", rows)
+    manifest = write_jsonl(tmp_path / "m.jsonl", rows)
     clean = bake(manifest, encoder_file, store_dir).root
     dirty = bake(manifest, encoder_file, store_dir, column="noisy").root
     assert clean != dirty
@@ -334,11 +326,11 @@ def test_roots_over_the_same_data_are_each_checked_by_their_own_reading(
         extra = ("--column", column) if column else ()
         r = _export(store_dir, tmp_path / "f.parquet", "--root", root, "--strict-rows",
                     "--overwrite", *extra)  # fmt: skip
-        assert r.returncode == 0 and "its data" not in r.stderr, (root, column, _said(r))
+        assert r.returncode == 0 and "its data" not in r.stderr, (root, column, printed(r))
     _same_size_other_bytes(noisy[0])
     for root, changed in ((clean, 0), (dirty, 1)):
         r = _export(store_dir, tmp_path / "f.parquet", "--root", root, "--overwrite")
-        assert r.returncode == 0 and _report(r)["changed"] == changed, (root, _said(r))
+        assert r.returncode == 0 and _report(r)["changed"] == changed, (root, printed(r))
 
 
 def test_an_image_root_and_its_flipped_view_key_as_built(tmp_path: Path) -> None:
@@ -364,18 +356,18 @@ def test_an_image_root_and_its_flipped_view_key_as_built(tmp_path: Path) -> None
     proc(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(folder)
     store = tmp_path / "s"
     r = invoke("build", "-e", folder, "-d", images, "--cache", store, "--views", "hflip", "--json")
-    assert r.returncode == 0, _said(r)
+    assert r.returncode == 0, printed(r)
     roots = [rep["root"] for rep in json.loads(r.stdout)]
     for root in roots:
         r = _export(store, tmp_path / "f.parquet", "--root", root, "--strict-rows", "--overwrite")
-        assert r.returncode == 0 and _report(r)["items"] == 3, (root, _said(r))
+        assert r.returncode == 0 and _report(r)["items"] == 3, (root, printed(r))
     first = sorted(p for p in images.rglob("*.*"))[0]
     st = first.stat()
     Image.new("RGB", (37, 53), (200, 10, 10)).save(first, format=Image.open(first).format)
     os.utime(first, ns=(st.st_atime_ns, st.st_mtime_ns))
     for root in roots:
         r = _export(store, tmp_path / "f.parquet", "--root", root, "--overwrite")
-        assert r.returncode == 0 and _report(r)["changed"] == 1, (root, _said(r))
+        assert r.returncode == 0 and _report(r)["changed"] == 1, (root, printed(r))
 
 
 # == r14.r8: a symlinked data folder, relative paths, another working directory ====================
@@ -391,18 +383,18 @@ def test_relative_rows_through_a_symlink_key_as_built_from_any_directory(
     rows = [
         {"path": os.path.relpath(c, v1), "id": f"u{i}", "label": i} for i, c in enumerate(clips)
     ]
-    _jsonl(v1 / "m.jsonl", rows)
+    write_jsonl(v1 / "m.jsonl", rows)
     (tmp_path / "data").symlink_to(v1)
     monkeypatch.chdir(v1 / "audio")
     bake(Path("../../data/m.jsonl"), encoder_file, store_dir)
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     r = _export(store_dir, tmp_path / "f.parquet", "--strict-rows")
-    assert r.returncode == 0 and "its data" not in r.stderr, _said(r)
-    assert (_report(r)["items"], _report(r)["unchecked"]) == (2, 0), _said(r)
+    assert r.returncode == 0 and "its data" not in r.stderr, printed(r)
+    assert (_report(r)["items"], _report(r)["unchecked"]) == (2, 0), printed(r)
     _same_size_other_bytes(clips[1])
     r = _export(store_dir, tmp_path / "f.parquet", "--overwrite")
-    assert r.returncode == 0 and _report(r)["changed"] == 1, _said(r)
+    assert r.returncode == 0 and _report(r)["changed"] == 1, printed(r)
 
 
 # == r14.r9: a table built by its second audio column ==============================================
@@ -427,5 +419,5 @@ def test_a_table_built_by_its_second_audio_column_is_checked_by_it(
     age(tmp_path / "t.parquet", 60)
     assert not bake(tmp_path / "t.parquet", encoder_file, store_dir, column="noisy").failed
     r = _export(store_dir, tmp_path / "f.parquet", "--strict-rows")
-    assert r.returncode == 0 and "its data" not in r.stderr, _said(r)
-    assert (_report(r)["items"], _report(r)["changed"]) == (2, 0), _said(r)
+    assert r.returncode == 0 and "its data" not in r.stderr, printed(r)
+    assert (_report(r)["items"], _report(r)["changed"]) == (2, 0), printed(r)
