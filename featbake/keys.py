@@ -692,9 +692,21 @@ def _read_codes(codes: list[Any], cls: type | None, written: dict[Any, frozenset
         reading = _Interpreter(code, facts, written)
         if not reading.run():
             _unread(code, facts)
-        elif _key(code) in facts.exit_old:
+        elif _key(code) in facts.exit_old and _writes_when_called(code, facts):
             facts.written[_key(code)] = reading.stores - frozenset(facts.exit_old[_key(code)])
     return facts
+
+
+#: Code whose body a call does not run (a generator's, a coroutine's: run when iterated).
+_DEFERRED = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def _writes_when_called(code: Any, facts: _Facts) -> bool:
+    """Whether what ``code`` writes on every path counts as written where it is called: a
+    method of the class's whose body a call runs. A function outside the class (followed:
+    its ``self`` may be any object passed) and a generator (its body runs when iterated,
+    maybe never) do not count."""
+    return _key(code) not in facts.depth and not code.co_flags & _DEFERRED
 
 
 def argument_names(code: Any) -> tuple[str, ...]:
@@ -849,14 +861,22 @@ def _holds(value: Any, depth: int = 0) -> bool:
 
 
 def _function_holds(func: Any, depth: int) -> bool:
-    """Whether a function of the user's holds the module in a closure cell or a default."""
+    """Whether a function of the user's holds the module in a closure cell or a default; a
+    function of the user's held there (a hand-written decorator's ``fn``, a default
+    ``get=lambda: ENC.scale``) is run by code no reading follows, so it may."""
     held = [*(func.__defaults__ or ()), *(func.__kwdefaults__ or {}).values()]
     for cell in func.__closure__ or ():
         try:
             held.append(cell.cell_contents)
         except ValueError:  # an empty cell: filled later, with anything
             return True
-    return any(_holds(v, depth + 1) for v in held)
+    return any(_held_function(v) or _holds(v, depth + 1) for v in held)
+
+
+def _held_function(value: Any) -> bool:
+    """Whether ``value`` is a function of the user's (a partial's or a method's too)."""
+    func = method_function(value.func if isinstance(value, functools.partial) else value)
+    return inspect.isfunction(func) and not _library(func)
 
 
 def _tensor_like(value: Any) -> bool:

@@ -15,6 +15,7 @@ import enum
 import fractions
 import functools
 import hashlib
+import importlib
 import importlib.metadata
 import importlib.util
 import inspect
@@ -478,7 +479,10 @@ class HeldReading:
                     wholes.setdefault(name, value)  # passed on or kept: read whole
                 elif name != g and value is not _ABSENT and not only_recorded(code, name):
                     reached.setdefault(name, value)
-        if _root_reads(code, found, kept, reached, wholes):
+        importers = any(
+            _holds_importer(found[g]) for g in global_names(code) if g in found and g not in kept
+        )
+        if _root_reads(code, found, kept, reached, wholes) or importers:
             rows.append(self._refuse(code.co_name, IMPORTED_AT_RUN_TIME))
         for name, value in sorted(reached.items()):
             text = self._global(name, value, code, depth)
@@ -1285,6 +1289,9 @@ def _roots_at(
     op = ins[i]
     if op.opname in _NAME_LOADS and op.argval in _IMPORTERS:
         return _imported_by_call(ins, i, found)
+    if op.opname == "LOAD_CONST" and op.argval in _IMPORTERS:  # getattr(importlib, "import_module")
+        found.add((("dynamic", str(op.argval)), ("*",)))
+        return []
     if op.opname == "LOAD_GLOBAL":
         return [(("global", str(op.argval)), i + 1, ())]
     if op.opname == "LOAD_DEREF":
@@ -1505,6 +1512,17 @@ IMPORTED_AT_RUN_TIME = (
     "a module imported by a name made at run time (importlib.import_module or __import__ "
     "with no constant name), whose settings no key reads"
 )
+
+
+def _holds_importer(value: Any) -> bool:
+    """Whether a global is ``importlib.import_module`` or ``__import__`` under another name
+    (``IMPORT = importlib.import_module``), or a plain container holding one: what it imports
+    no reading knows (:data:`IMPORTED_AT_RUN_TIME`)."""
+    importers = (importlib.import_module, __import__)
+    if type(value) in (list, tuple, set, frozenset, dict):
+        items = list(value.values()) if isinstance(value, dict) else list(value)
+        return any(any(v is f for f in importers) for v in items)
+    return any(value is f for f in importers)
 
 
 def imported_module(root: tuple[str, ...], found: Mapping[str, Any]) -> tuple[str, Any]:

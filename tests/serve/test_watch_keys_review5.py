@@ -1,0 +1,236 @@
+"""A review of round fourteen's keying: a forward reading the module back through a function
+a closure or a default holds, a write counted at a call that need not run on self, and a hook
+importing a module through an alias of ``importlib.import_module``; each test compares what a
+dataset serves after a change with the encoder run now (docs/reliability.md, "Round fourteen:
+review of the keying")."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from featbake.errors import EncoderLoadError
+from featbake.keys import derived_attributes
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.testing import TinyConvEncoder
+from tests.serve.test_watch_keys import _assert_live, _baked_then_reopened, _hooked
+from tests.serve.test_watch_keys_review3 import _Scaled
+
+#: The encoder, kept at module level by the user's script (``ENC = model``).
+ENC: Any = None
+
+
+def _logged(fn: Any) -> Any:
+    """A hand-written decorator (no ``functools.wraps``): its closure holds ``fn``."""
+
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return inner
+
+
+@_logged
+def _logged_scale() -> torch.Tensor:
+    return ENC.scale * 1
+
+
+def _default_reader(get: Any = lambda: ENC.scale * 1) -> torch.Tensor:
+    return get()
+
+
+class _ThroughHandWrittenDecorator(_Scaled):
+    def rewrite(self, wav: torch.Tensor) -> None:
+        self.scale = _logged_scale()
+
+
+class _ThroughDefaultFunction(_Scaled):
+    def rewrite(self, wav: torch.Tensor) -> None:
+        self.scale = _default_reader()
+
+
+def _tidy(self: Any) -> None:
+    """A function outside the class whose argument is named ``self`` (monkey-patching style)."""
+    self.scale = torch.ones(())
+
+
+class _TidiesAnotherObject(_Scaled):
+    """Resets a helper object's ``scale`` through ``_tidy``, never its own; its own is made
+    anew only on a path no input takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = types.SimpleNamespace(scale=None)
+
+    def rewrite(self, wav: torch.Tensor) -> None:
+        _tidy(self.aux)
+        if wav.numel() < 0:
+            self.scale = torch.ones(())
+
+
+class _GeneratorNeverRun(_Scaled):
+    """Calls a generator method (whose body the call does not run) that writes ``scale``."""
+
+    def rewrite(self, wav: torch.Tensor) -> None:
+        self.steps()
+        if wav.numel() < 0:
+            self.scale = torch.ones(())
+
+    def steps(self) -> Iterator[None]:
+        self.scale = torch.ones(())
+        yield
+
+
+class _ConditionOnTheSetting(_Scaled):
+    """Made anew on a path no input takes; the forward applies the user's scale only where it
+    is not one (a condition reads it, as a lazy table's does, but guards no write)."""
+
+    def rewrite(self, wav: torch.Tensor) -> None:
+        if wav.numel() < 0:
+            self.scale = torch.ones(())
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        self.rewrite(wav)
+        y = TinyConvEncoder.forward(self, wav)
+        if self.scale.item() != 1.0:
+            y = y * self.scale
+        return y
+
+
+class _ConditionOnAValueOfTheSetting(_Scaled):
+    """The same with the condition on a value computed from the setting (a clamp check)."""
+
+    def rewrite(self, wav: torch.Tensor) -> None:
+        if wav.numel() < 0:
+            self.scale = torch.ones(())
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        self.rewrite(wav)
+        y = TinyConvEncoder.forward(self, wav) * self.scale
+        if y.abs().max() > 1e9:
+            y = y.clamp(-1e9, 1e9)
+        return y
+
+
+_GUARD_GAP = pytest.mark.xfail(
+    strict=True,
+    reason="r14kr.4: any condition reading the attribute (or a value made of it) anywhere in "
+    "the class's code exempts its write made anew from the per-path reading, as a lazy "
+    "table's guard does, though this condition guards no write; scale is derived state",
+)
+
+SHAPES = {
+    "hand-written-decorator": _ThroughHandWrittenDecorator,
+    "default-function": _ThroughDefaultFunction,
+    "tidies-another-object": _TidiesAnotherObject,
+    "generator-never-run": _GeneratorNeverRun,
+    "condition-on-the-setting": pytest.param(_ConditionOnTheSetting, marks=_GUARD_GAP),
+    "condition-on-a-value-of-it": pytest.param(_ConditionOnAValueOfTheSetting, marks=_GUARD_GAP),
+}
+
+
+@pytest.mark.parametrize("cls", list(SHAPES.values()), ids=list(SHAPES))
+def test_a_setting_the_forward_keeps_is_keyed(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, cls: type
+) -> None:
+    module = cls().eval()
+    monkeypatch.setattr(sys.modules[__name__], "ENC", module)
+    assert "scale" not in derived_attributes(cls)
+
+    def change() -> None:
+        module.scale = torch.tensor(3.0)  # the next run's setting
+
+    second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
+    _assert_live(second, module, 1)
+
+
+# -- a hook importing a module through an alias of importlib.import_module -------------------------
+
+_PACKAGE = "review5_pkg"
+
+_HOOKS_SOURCE = """
+import importlib
+import sys
+
+IMPORT = importlib.import_module
+IMPORTERS = {"import": importlib.import_module}
+
+
+def by_getattr(module, args):
+    return (args[0] * getattr(importlib, "import_module")("review5_pkg.settings").GAIN,)
+
+
+def by_global_alias(module, args):
+    return (args[0] * IMPORT("review5_pkg.settings").GAIN,)
+
+
+def by_dict(module, args):
+    return (args[0] * IMPORTERS["import"]("review5_pkg.settings").GAIN,)
+
+
+def by_package_keyword(module, args):
+    return (args[0] * importlib.import_module(".settings", package="review5_pkg").GAIN,)
+
+
+def by_sys_modules(module, args):
+    return (args[0] * sys.modules["review5_pkg.settings"].GAIN,)
+"""
+
+HOOKS = [
+    "by_getattr",
+    "by_global_alias",
+    "by_dict",
+    "by_package_keyword",
+    pytest.param(
+        "by_sys_modules",
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="r14kr.6: a module read out of sys.modules by its name is no import any "
+            "reading follows (sys is library code, its subscript a library call's result): "
+            "GAIN is neither keyed nor refused",
+        ),
+    ),
+]
+
+
+@pytest.fixture
+def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """``review5_pkg`` under ``tmp_path`` on ``sys.path``: ``settings.py`` (``GAIN = 2.0``)
+    and ``hooks.py``."""
+    root = tmp_path / "code" / _PACKAGE
+    root.mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "settings.py").write_text("GAIN = 2.0\n")
+    (root / "hooks.py").write_text(_HOOKS_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    try:
+        yield root
+    finally:
+        for name in [n for n in sys.modules if n == _PACKAGE or n.startswith(f"{_PACKAGE}.")]:
+            sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("how", HOOKS)
+def test_a_hook_importing_through_an_alias_is_refused_or_keyed(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, package: Path, how: str
+) -> None:
+    """Refused in one line, or a change to ``GAIN`` serves what the module gives now."""
+    hooks = importlib.import_module(f"{_PACKAGE}.hooks")
+    settings = importlib.import_module(f"{_PACKAGE}.settings")
+    module = _hooked(getattr(hooks, how), pre=True)
+
+    def change() -> None:
+        monkeypatch.setattr(settings, "GAIN", 3.0)
+
+    try:
+        second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
+    except EncoderLoadError as e:
+        assert "\n" not in str(e) and how in str(e)
+        return
+    _assert_live(second, module, 1)
