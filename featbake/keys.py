@@ -541,6 +541,9 @@ _EMPTY = _Slot(frozenset(), frozenset(), frozenset())
 #: its own, by name): cleared by a write on the path, kept where any path joining keeps it.
 _OLD = _Slot(frozenset({("old",)}), frozenset(), frozenset())
 _OLD_MARK = "#old:"
+#: A path's mark that it has passed a condition reading an attribute (by name), kept where
+#: any path joining has passed one.
+_GUARD_MARK = "#guard:"
 _RAISED = _Slot(frozenset({_UNKNOWN}), frozenset(), frozenset())
 _SELF_SLOT = _Slot(frozenset({_SELF}), frozenset({_SELF}), frozenset())
 
@@ -583,7 +586,11 @@ class _Facts:
     scopes: dict[Any, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     depth: dict[Any, int] = dataclasses.field(default_factory=dict)
     read_old: set[str] = dataclasses.field(default_factory=set)
-    guards: set[str] = dataclasses.field(default_factory=set)
+    guarded: dict[Any, set[str]] = dataclasses.field(default_factory=dict)
+    guarded_calls: set[tuple[Any, Any, frozenset[str]]] = dataclasses.field(default_factory=set)
+    closures: dict[Any, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    guard_callees: dict[Any, str] = dataclasses.field(default_factory=dict)
+    attr_reads: dict[Any, set[str]] = dataclasses.field(default_factory=dict)
     exit_old: dict[Any, set[str]] = dataclasses.field(default_factory=dict)
     written: dict[Any, frozenset[str]] = dataclasses.field(default_factory=dict)
 
@@ -603,6 +610,8 @@ class _Facts:
         self.depth[key] = depth
         self.pending.append(func.__code__)
         _scope(func, self.scopes)
+        if func.__closure__:  # its cells as they are (a hand-written decorator's ``fn``)
+            self.closures[key] = dict(zip(func.__code__.co_freevars, func.__closure__, strict=True))
         return key
 
     def method(self, name: str, after: Any = None) -> tuple[Any, bool] | None:
@@ -655,12 +664,47 @@ def fresh_writes(codes: list[Any], cls: type | None) -> frozenset[str]:
             if key in own and not _reaches(made, name, facts)
         }
         # one whose value from before the run may be used (read where the path has not
-        # written it) is the forward's own only where a condition reads it (a lazy table's)
-        old = fresh & facts.read_old - facts.guards
+        # written it) is the forward's own only where a write of it made anew is on a path
+        # past a condition reading it (a lazy table's ``if self.pe is None``)
+        old = fresh & facts.read_old - _guarded_fresh(facts, own)
         if not old or facts.written == written:
             return frozenset(fresh - old)
         written = facts.written  # the methods' writes known now: read again with them
     return frozenset(fresh - old)
+
+
+def _guarded_fresh(facts: _Facts, own: set[Any]) -> set[str]:
+    """The attributes a write of which (in ``own`` code; made anew or not) is on a path past
+    a condition reading the attribute (or calling a method of the class's that reads it:
+    ``if self._weights_have_changed()``): in its code, or in code called on such a path (a
+    method the forward calls under ``if seq_len > self.cached_len``), to any depth. A
+    condition elsewhere (``if self.scale != 1``) guards no write of it."""
+    callees = {mark: callee for callee, mark in facts.guard_callees.items()}
+
+    def read(marks: Iterable[str]) -> set[str]:
+        out = set()
+        for mark in marks:
+            if mark in callees:
+                out |= facts.attr_reads.get(callees[mark], set())
+            else:
+                out.add(mark[len(_GUARD_MARK) :])
+        return out
+
+    within: dict[Any, set[str]] = {}
+    grew = True
+    while grew:
+        grew = False
+        for caller, callee, marks in facts.guarded_calls:
+            new = read(marks) | within.get(caller, set())
+            if not new <= within.setdefault(callee, set()):
+                within[callee] |= new
+                grew = True
+    return {
+        name
+        for key, where, name in facts.writes
+        if key in own
+        and (name in read(facts.guarded.get((key, where, name), ())) or name in within.get(key, ()))
+    }
 
 
 #: How many times a class's code is read, each with what the methods it calls write on every
@@ -862,15 +906,19 @@ def _holds(value: Any, depth: int = 0) -> bool:
 
 def _function_holds(func: Any, depth: int) -> bool:
     """Whether a function of the user's holds the module in a closure cell or a default; a
-    function of the user's held there (a hand-written decorator's ``fn``, a default
-    ``get=lambda: ENC.scale``) is run by code no reading follows, so it may."""
+    function of the user's as a default (``get=lambda: ENC.scale``) is run by code no reading
+    follows, so it may (one in a closure cell, a hand-written decorator's ``fn``, is followed
+    where the function is called: :meth:`_Interpreter._cell`)."""
     held = [*(func.__defaults__ or ()), *(func.__kwdefaults__ or {}).values()]
+    cells = []
     for cell in func.__closure__ or ():
         try:
-            held.append(cell.cell_contents)
+            cells.append(cell.cell_contents)
         except ValueError:  # an empty cell: filled later, with anything
             return True
-    return any(_held_function(v) or _holds(v, depth + 1) for v in held)
+    return any(_held_function(v) or _holds(v, depth + 1) for v in held) or any(
+        _holds(v, depth + 1) for v in cells
+    )
 
 
 def _held_function(value: Any) -> bool:
@@ -1037,7 +1085,9 @@ class _Interpreter:
         if op.opname in ("RETURN_VALUE", "YIELD_VALUE"):
             self.facts.add(self.facts.returns, self.key, stack[-1].made)
         if op.opname in ("RETURN_VALUE", "RETURN_CONST"):  # what this path has not written
-            old = {k[len(_OLD_MARK) :] for k, v in names.items() if k[:1] == "#" and v.made}
+            old = {
+                k[len(_OLD_MARK) :] for k, v in names.items() if k.startswith(_OLD_MARK) and v.made
+            }
             self.facts.add(self.facts.exit_old, self.key, old)
         if op.opname in _ENDS:
             return []
@@ -1078,7 +1128,13 @@ class _Interpreter:
         next item pushed as the iterator it comes of)."""
         target = self.at[op.argval]
         if "IF" in op.opname and stack:  # a condition: the attributes it reads guard writes
-            self.facts.guards.update(t[1] for t in stack[-1].made if t[0] == "attr")
+            made = stack[-1].made
+            marks = {_GUARD_MARK + t[1] for t in made if t[0] == "attr"}
+            for t in made:  # a method's result: the attributes it reads (read at the end)
+                if t[0] == "ret":
+                    marks.add(self.facts.guard_callees.setdefault(t[1], f"#guard-ret:{t[1]!r}"))
+            if any(m not in names for m in marks):
+                names = {**names, **{m: _OLD for m in marks}}
         out = []
         for jump in (True, False):
             if not jump and op.opname in _ALWAYS_JUMPS:
@@ -1127,8 +1183,16 @@ class _Interpreter:
         if op.opname.startswith("LOAD") or op.opname == "LOAD_CLOSURE":
             if op.opname == "LOAD_FROM_DICT_OR_DEREF":
                 stack.pop()
+            held = self.facts.closures.get(self.key, {}).get(cell)
             if cell in self.facts.selfs:
                 stack.append(_SELF_SLOT)
+            elif held is not None and op.opname == "LOAD_DEREF":  # a followed function's
+                token = frozenset({("cell", cell)})
+                try:
+                    value = held.cell_contents
+                except ValueError:  # empty: filled later, with anything
+                    value = _MISSING
+                stack.append(self._valued(token, token, value))
             else:
                 token = frozenset({("cell", cell)})
                 stack.append(_Slot(token, token, frozenset()))
@@ -1160,6 +1224,7 @@ class _Interpreter:
             rest |= {_SELF}
         found = self.facts.method(name, self.code if through_super else None)
         if found is None:
+            self.facts.add(self.facts.attr_reads, self.key, (name,))
             if names.get(_OLD_MARK + name, _OLD).made:  # not written on this path yet
                 self.facts.read_old.add(name)
             token = frozenset({("attr", name)})
@@ -1183,6 +1248,9 @@ class _Interpreter:
                 self.facts.add(self.facts.stored, str(op.argval), value.made)
                 owner = owner._replace(alias=owner.alias - {_SELF})
                 names[_OLD_MARK + str(op.argval)] = _EMPTY  # written on this path
+                marks = {k for k in names if k.startswith("#guard")}
+                if marks:  # past a condition (which reads what, known at the end)
+                    self.facts.add(self.facts.guarded, write, marks)
                 self.changed = True
             self._change(owner.alias, value.made, names)
             return
@@ -1230,7 +1298,10 @@ class _Interpreter:
         if _OPAQUE in inputs.callee:
             made.add(_UNKNOWN)
         called = 2 if op.opname in ("CALL", "CALL_KW") else 1  # a global called is not changed
+        marks = frozenset(k for k in names if k.startswith("#guard"))
         for callee in _joined(taken[:called]).callee:  # a method writing on every path
+            if marks:
+                self.facts.guarded_calls.add((self.key, callee, marks))
             for name in self.written.get(callee, ()):
                 names[_OLD_MARK + name] = _EMPTY
                 self.changed = True

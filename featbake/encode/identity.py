@@ -480,7 +480,9 @@ class HeldReading:
                 elif name != g and value is not _ABSENT and not only_recorded(code, name):
                     reached.setdefault(name, value)
         importers = any(
-            _holds_importer(found[g]) for g in global_names(code) if g in found and g not in kept
+            _holds_importer(found[g])
+            for g in global_names(code)
+            if g in found and g not in kept and g not in _IMPORTERS  # those: read at the call
         )
         if _root_reads(code, found, kept, reached, wholes) or importers:
             rows.append(self._refuse(code.co_name, IMPORTED_AT_RUN_TIME))

@@ -18,7 +18,6 @@ import torch
 
 from featbake.errors import EncoderLoadError
 from featbake.keys import derived_attributes
-from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import TinyConvEncoder
 from tests.serve.test_watch_keys import _assert_live, _baked_then_reopened, _hooked
 from tests.serve.test_watch_keys_review3 import _Scaled
@@ -118,20 +117,13 @@ class _ConditionOnAValueOfTheSetting(_Scaled):
         return y
 
 
-_GUARD_GAP = pytest.mark.xfail(
-    strict=True,
-    reason="r14kr.4: any condition reading the attribute (or a value made of it) anywhere in "
-    "the class's code exempts its write made anew from the per-path reading, as a lazy "
-    "table's guard does, though this condition guards no write; scale is derived state",
-)
-
 SHAPES = {
     "hand-written-decorator": _ThroughHandWrittenDecorator,
     "default-function": _ThroughDefaultFunction,
     "tidies-another-object": _TidiesAnotherObject,
     "generator-never-run": _GeneratorNeverRun,
-    "condition-on-the-setting": pytest.param(_ConditionOnTheSetting, marks=_GUARD_GAP),
-    "condition-on-a-value-of-it": pytest.param(_ConditionOnAValueOfTheSetting, marks=_GUARD_GAP),
+    "condition-on-the-setting": _ConditionOnTheSetting,
+    "condition-on-a-value-of-it": _ConditionOnAValueOfTheSetting,
 }
 
 
@@ -234,3 +226,39 @@ def test_a_hook_importing_through_an_alias_is_refused_or_keyed(
         assert "\n" not in str(e) and how in str(e)
         return
     _assert_live(second, module, 1)
+
+
+# -- what must stay derived: a table made through a decorated function of the user's ---------------
+
+#: A plain settings dict of the user's a table is made from.
+TABLE = {"width": 64, "base": 100.0}
+
+
+@_logged
+def _logged_table(n: int) -> torch.Tensor:
+    position = torch.arange(0, n, dtype=torch.float32).unsqueeze(1)
+    return torch.sin(position / TABLE["base"]).expand(n, TABLE["width"]).clone()
+
+
+class _TableThroughDecoratedFunction(TinyConvEncoder):
+    """A lazy positional table made by a hand-decorated function of the user's from the
+    input's length and plain settings only: derived state, found with ``on_miss="error"``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pe: torch.Tensor | None = None
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        x = super().forward(wav)
+        if self.pe is None or self.pe.size(0) < x.size(1):
+            self.pe = _logged_table(x.size(1)).to(x.device)
+        return x + self.pe[: x.size(1)]
+
+
+def test_a_table_made_through_a_decorated_function_stays_derived(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    assert "pe" in derived_attributes(_TableThroughDecoratedFunction)
+    module = _TableThroughDecoratedFunction().eval()
+    second = _baked_then_reopened(audio_dir, module, tmp_path, n=2)
+    _assert_live(second, module, 2)
