@@ -484,8 +484,9 @@ class HeldReading:
             for g in global_names(code)
             if g in found and g not in kept and g not in _IMPORTERS  # those: read at the call
         )
-        if _root_reads(code, found, kept, reached, wholes) or importers:
-            rows.append(self._refuse(code.co_name, IMPORTED_AT_RUN_TIME))
+        refusals = _root_reads(code, found, kept, reached, wholes)
+        for what in sorted(refusals | ({IMPORTED_AT_RUN_TIME} if importers else set())):
+            rows.append(self._refuse(code.co_name, what))
         for name, value in sorted(reached.items()):
             text = self._global(name, value, code, depth)
             rows += [] if text is None else [f"global {name}={text}"]
@@ -1397,6 +1398,7 @@ def _follow(
     names = tuple(itertools.takewhile(lambda o: o.opname in _METHOD_LOADS, ins[k:]))
     chain = prefix + tuple(str(o.argval) for o in names)
     j = k + len(names)
+    _taken_from_sys_modules(code, ins, j, root, chain, found, aliases)
     op = ins[j] if j < len(ins) else None
     if op is not None and not names and _getattr_of(ins, k):
         if not direct:
@@ -1417,6 +1419,114 @@ def _follow(
         found.add((("bare", root[1]), ("*",)))
 
 
+def _taken_from_sys_modules(
+    code: Any,
+    ins: list[Any],
+    j: int,
+    root: tuple[str, ...],
+    chain: tuple[str, ...],
+    found: set[Any],
+    aliases: dict[Any, set[Any]],
+) -> None:
+    """Where a value followed to ``ins[j]`` (``root``, ``chain``) may be ``sys.modules``
+    (``sys.modules`` of a global or of ``import sys``; a global itself, ``from sys import
+    modules``), what is taken out of it, as a ``("sysmodules", global, via, kind, name)``
+    root (read with the function's globals, :func:`_sys_modules_root`): a module by a
+    constant name (``sys.modules["pkg.settings"]``, ``.get("pkg.settings"[, default])``) or
+    the function's own (``[__name__]``) followed on as an import of it; by any other key, or
+    ``sys.modules`` used otherwise (``.values()``, passed on), a ``"dynamic"`` use. Kept in a
+    local, it is followed there; a membership test reads no module. The value is followed
+    on as it is too (a global that is no ``sys`` after all)."""
+    if root == ("import", "sys", "0") and chain[:1] == ("modules",):
+        via, name, rest = "import", "", chain[1:]
+    elif root[0] == "global" and chain[:1] == ("modules",):
+        via, name, rest = "sys", root[1], chain[1:]
+    elif root[0] == "global" and (not chain or chain[0] in _SYS_MODULES_READS):
+        via, name, rest = "dict", root[1], chain
+    else:
+        return
+    op = ins[j] if j < len(ins) else None
+    if not rest and op is not None and (op.opname in _ALIAS_STORES or op.opname == "COPY"):
+        return  # kept in a local: followed where it is loaded
+    if not rest and op is not None and op.opname == "CONTAINS_OP":
+        return
+    taken: tuple[str, str, int] | None = None
+    if rest == ("get",):
+        taken = _got_module(ins, j)
+    elif not rest:
+        taken = _subscripted_module(ins, j, strict=via != "dict")
+    if taken is None and via == "dict" and not rest:
+        return  # a global used otherwise: no sys.modules read this reading knows of
+    kind, module, k = taken or ("dynamic", "", j)
+    held = (("sysmodules", name, via, kind, module), ())
+    if kind == "dynamic":
+        found.add((held[0], ("*",)))
+    else:
+        _follow(code, ins, k, held, found, aliases)
+
+
+#: What code may read of ``sys.modules`` (as a global of ``from sys import modules``) other
+#: than by a subscript: each a way to take modules out of it by a name no reading knows.
+_SYS_MODULES_READS = frozenset(
+    {"get", "values", "items", "copy", "pop", "setdefault", "__getitem__"}
+)
+
+
+def _subscripted_module(ins: list[Any], j: int, strict: bool) -> tuple[str, str, int] | None:
+    """What a subscript of the mapping loaded before ``ins[j]`` takes: ``("name", module,
+    k)`` for a constant name, ``("own", "", k)`` for ``__name__`` (``k`` the index after
+    the subscript), ``("dynamic", "", j)`` for any other key (a subscript within a few ops,
+    or, ``strict``, any other use at all); None for no subscript."""
+    at = ins[j : j + 2]
+    if len(at) == 2 and _is_subscript(at[1]):
+        key = at[0]
+        if key.opname == "LOAD_CONST" and isinstance(key.argval, str):
+            return "name", key.argval, j + 2
+        if key.opname in ("LOAD_GLOBAL", "LOAD_NAME") and key.argval == "__name__":
+            return "own", "", j + 2
+    if strict or any(_is_subscript(o) for o in ins[j : j + 6]):
+        return "dynamic", "", j  # sys.modules[name], sys.modules[prefix + ".settings"]
+    return None
+
+
+def _got_module(ins: list[Any], j: int) -> tuple[str, str, int]:
+    """What a ``.get`` loaded just before ``ins[j]`` takes: ``("name", module, k)`` where
+    it is called at once with a constant name (and at most one more argument, a default
+    loaded by one op), ``k`` the index after the call; ``("dynamic", "", j)`` otherwise."""
+    rest = [(n, o) for n, o in enumerate(ins[j : j + 8], j) if o.opname not in _CALL_PREFIXES]
+    if len(rest) >= 2:
+        (_, key), (n, after) = rest[0], rest[1]
+        named = key.opname == "LOAD_CONST" and isinstance(key.argval, str)
+        if named and after.opname == "CALL" and after.arg == 1:
+            return "name", key.argval, n + 1
+        if named and len(rest) >= 3 and after.opname.startswith("LOAD_"):
+            n, call = rest[2]
+            if call.opname == "CALL" and call.arg == 2:
+                return "name", key.argval, n + 1
+    return "dynamic", "", j
+
+
+def _is_subscript(op: Any) -> bool:
+    """Whether ``op`` takes an item (``BINARY_SUBSCR``; 3.14's ``BINARY_OP`` ``[]``)."""
+    return op.opname == "BINARY_SUBSCR" or (op.opname == "BINARY_OP" and op.argrepr == "[]")
+
+
+def _sys_modules_root(root: tuple[str, ...], found: Mapping[str, Any]) -> tuple[str, Any] | None:
+    """A ``("sysmodules", global, via, kind, name)`` root of :func:`_taken_from_sys_modules`
+    read with a function's globals ``found``: the name and module it takes (as
+    :func:`imported_module` gives an import of it), ``("", None)`` for a ``"dynamic"`` use;
+    None where the global is no ``sys`` (or its ``modules``) after all."""
+    _, name, via, kind, module = root
+    value = found.get(name)
+    if (via == "sys" and value is not sys) or (via == "dict" and value is not sys.modules):
+        return None
+    if kind == "dynamic":
+        return "", None
+    if kind == "own":
+        module = str(found.get("__name__") or "")
+    return imported_module(("import", module, "0"), found)
+
+
 def _getattr_of(ins: list[Any], k: int) -> bool:
     """Whether the value loaded just before ``ins[k]`` is ``getattr``'s first argument and a
     constant name its second (``getattr(cfg, "GAIN"[, default])``)."""
@@ -1435,7 +1545,9 @@ def global_root_chains(code: Any) -> tuple[tuple[tuple[str, ...], tuple[str, ...
         (code,),
         "globals",
         lambda: tuple(
-            c for c in root_chains(code) if c[0][0] in ("global", "bare", "import", "dynamic")
+            c
+            for c in root_chains(code)
+            if c[0][0] in ("global", "bare", "import", "dynamic", "sysmodules")
         ),
     )
 
@@ -1488,15 +1600,23 @@ def _root_reads(
     kept: frozenset[str],
     reached: dict[str, Any],
     wholes: dict[str, Any],
-) -> bool:
+) -> frozenset[str]:
     """What a function's code (globals ``found``, its bookkeeping ``kept``) reads through a
-    global or an import kept in a local or used at once (:func:`global_root_chains`), into
-    ``reached`` and ``wholes`` (:func:`_reach`); True where it imports a module by a name no
-    reading knows (:data:`IMPORTED_AT_RUN_TIME`)."""
-    dynamic = False
+    global or an import kept in a local or used at once (:func:`global_root_chains`), or a
+    module it takes out of ``sys.modules`` by name, into ``reached`` and ``wholes``
+    (:func:`_reach`); what it is refused as: a module imported by a name no reading knows
+    (:data:`IMPORTED_AT_RUN_TIME`), one taken out of ``sys.modules`` so
+    (:data:`TAKEN_FROM_SYS_MODULES`)."""
+    refusals: set[str] = set()
     for root, chain in global_root_chains(code):
         if root[0] == "dynamic":
-            dynamic = True
+            refusals.add(IMPORTED_AT_RUN_TIME)
+        elif root[0] == "sysmodules":
+            taken = _sys_modules_root(root, found)
+            if taken is not None and taken[1] is None:
+                refusals.add(TAKEN_FROM_SYS_MODULES)
+            elif taken is not None:
+                _reach(*taken, chain, reached, wholes)
         elif root[0] == "bare":  # a global used at once: only a module of the user's counts
             value = found.get(root[1])
             if isinstance(value, types.ModuleType) and root[1] not in kept:
@@ -1505,7 +1625,7 @@ def _root_reads(
             _reach(root[1], found[root[1]], chain, reached, wholes)
         elif root[0] == "import":
             _reach(*imported_module(root, found), chain, reached, wholes)
-    return dynamic
+    return frozenset(refusals)
 
 
 #: What a function that imports a module by a name made at run time (``import_module(name)``,
@@ -1513,6 +1633,15 @@ def _root_reads(
 IMPORTED_AT_RUN_TIME = (
     "a module imported by a name made at run time (importlib.import_module or __import__ "
     "with no constant name), whose settings no key reads"
+)
+
+
+#: What a function that takes a module out of ``sys.modules`` by a name made at run time
+#: (``sys.modules[name]``, ``.get(name)``) or reads it otherwise (``.values()``, passed on) is
+#: refused as, as :data:`IMPORTED_AT_RUN_TIME` is.
+TAKEN_FROM_SYS_MODULES = (
+    "a module taken out of sys.modules by a name made at run time (sys.modules[name], "
+    ".get(name), .values() or sys.modules passed on), whose settings no key reads"
 )
 
 

@@ -1,8 +1,8 @@
 """A review of round fourteen's keying: a forward reading the module back through a function
 a closure or a default holds, a write counted at a call that need not run on self, and a hook
-importing a module through an alias of ``importlib.import_module``; each test compares what a
-dataset serves after a change with the encoder run now (docs/reliability.md, "Round fourteen:
-review of the keying")."""
+importing a module through an alias of ``importlib.import_module`` or taking it out of
+``sys.modules``; each test compares what a dataset serves after a change with the encoder run
+now (docs/reliability.md, "Round fourteen: review of the keying")."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 
 from featbake.errors import EncoderLoadError
 from featbake.keys import derived_attributes
+from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import TinyConvEncoder
 from tests.serve.test_watch_keys import _assert_live, _baked_then_reopened, _hooked
 from tests.serve.test_watch_keys_review3 import _Scaled
@@ -172,6 +173,51 @@ def by_package_keyword(module, args):
 
 def by_sys_modules(module, args):
     return (args[0] * sys.modules["review5_pkg.settings"].GAIN,)
+
+
+def by_sys_modules_get(module, args):
+    return (args[0] * sys.modules.get("review5_pkg.settings", None).GAIN,)
+
+
+def by_sys_modules_imported_inside(module, args):
+    import sys as system
+    loaded = system.modules
+    cfg = loaded["review5_pkg.settings"]
+    return (args[0] * cfg.GAIN,)
+
+
+def by_sys_modules_from_import(module, args):
+    from sys import modules
+    return (args[0] * modules.get("review5_pkg.settings").GAIN,)
+
+
+def by_sys_modules_name_made_at_run_time(module, args):
+    name = "review5_pkg." + "settings"
+    return (args[0] * sys.modules[name].GAIN,)
+
+
+def by_sys_modules_get_made_at_run_time(module, args):
+    name = "review5_pkg." + "settings"
+    return (args[0] * sys.modules.get(name).GAIN,)
+
+
+def by_sys_modules_values(module, args):
+    gain = [m for m in list(sys.modules.values()) if m.__name__ == "review5_pkg.settings"]
+    return (args[0] * gain[0].GAIN,)
+
+
+def by_sys_modules_of_a_library(module, args):
+    return (args[0] * sys.modules["math"].sqrt(4.0) / 2 * sys.modules["torch"].ones(()),)
+
+
+def by_import_of_a_library(module, args):
+    import math
+    import torch
+    return (args[0] * math.sqrt(4.0) / 2 * torch.ones(()),)
+
+
+def by_sys_modules_membership(module, args):
+    return (args[0] * (1.0 if "math" in sys.modules else 1.0),)
 """
 
 HOOKS = [
@@ -179,15 +225,7 @@ HOOKS = [
     "by_global_alias",
     "by_dict",
     "by_package_keyword",
-    pytest.param(
-        "by_sys_modules",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="r14kr.6: a module read out of sys.modules by its name is no import any "
-            "reading follows (sys is library code, its subscript a library call's result): "
-            "GAIN is neither keyed nor refused",
-        ),
-    ),
+    "by_sys_modules",
 ]
 
 
@@ -226,6 +264,67 @@ def test_a_hook_importing_through_an_alias_is_refused_or_keyed(
         assert "\n" not in str(e) and how in str(e)
         return
     _assert_live(second, module, 1)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "by_sys_modules",
+        "by_sys_modules_get",
+        "by_sys_modules_imported_inside",
+        "by_sys_modules_from_import",
+    ],
+)
+def test_a_module_taken_out_of_sys_modules_by_a_constant_name_is_keyed(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, package: Path, how: str
+) -> None:
+    """Read as an import of the module (r14kr.6): not refused, and a change to ``GAIN``
+    serves what the encoder gives now."""
+    hooks = importlib.import_module(f"{_PACKAGE}.hooks")
+    settings = importlib.import_module(f"{_PACKAGE}.settings")
+    module = _hooked(getattr(hooks, how), pre=True)
+    again = _baked_then_reopened(audio_dir, module, tmp_path)
+    _assert_live(again, module, 1)  # nothing read changed: the same key, no miss
+    monkeypatch.setattr(settings, "GAIN", 3.0)
+    second = CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")  # a miss encoded
+    _assert_live(second, module, 1)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "by_sys_modules_name_made_at_run_time",
+        "by_sys_modules_get_made_at_run_time",
+        "by_sys_modules_values",
+    ],
+)
+def test_a_module_taken_out_of_sys_modules_by_a_name_made_at_run_time_is_refused(
+    tmp_path: Path, audio_dir: Path, package: Path, how: str
+) -> None:
+    """No reading knows which module it reads (r14kr.7): refused in one line, as a name
+    made at run time given to ``importlib.import_module`` is."""
+    hooks = importlib.import_module(f"{_PACKAGE}.hooks")
+    module = _hooked(getattr(hooks, how), pre=True)
+    with (
+        pytest.warns(UserWarning, match="no featbake store"),
+        pytest.raises(EncoderLoadError, match=r"taken out of sys\.modules") as e,
+    ):
+        CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    assert "\n" not in str(e.value) and how in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "how", ["by_sys_modules_of_a_library", "by_import_of_a_library", "by_sys_modules_membership"]
+)
+def test_a_library_taken_out_of_sys_modules_is_read_as_its_import(
+    tmp_path: Path, audio_dir: Path, package: Path, how: str
+) -> None:
+    """``sys.modules["math"]`` is library code, as ``import math`` in a hook is: not refused,
+    and its key kept when nothing read changes."""
+    hooks = importlib.import_module(f"{_PACKAGE}.hooks")
+    module = _hooked(getattr(hooks, how), pre=True)
+    again = _baked_then_reopened(audio_dir, module, tmp_path)
+    _assert_live(again, module, 1)
 
 
 # -- what must stay derived: a table made through a decorated function of the user's ---------------
