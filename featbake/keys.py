@@ -544,6 +544,17 @@ _OLD_MARK = "#old:"
 #: A path's mark that it has passed a condition reading an attribute (by name), kept where
 #: any path joining has passed one.
 _GUARD_MARK = "#guard:"
+#: The same mark for a condition on a method's result (the attributes it reads, known at the
+#: end: :attr:`_Facts.guard_callees`).
+_GUARD_RET_MARK = "#guard-ret:"
+
+
+def _guard_marks(names: Mapping[str, Any]) -> frozenset[str]:
+    """The conditions a path's locals say it has passed (:data:`_GUARD_MARK`,
+    :data:`_GUARD_RET_MARK`)."""
+    return frozenset(k for k in names if k.startswith((_GUARD_MARK, _GUARD_RET_MARK)))
+
+
 _RAISED = _Slot(frozenset({_UNKNOWN}), frozenset(), frozenset())
 _SELF_SLOT = _Slot(frozenset({_SELF}), frozenset({_SELF}), frozenset())
 
@@ -1132,7 +1143,8 @@ class _Interpreter:
             marks = {_GUARD_MARK + t[1] for t in made if t[0] == "attr"}
             for t in made:  # a method's result: the attributes it reads (read at the end)
                 if t[0] == "ret":
-                    marks.add(self.facts.guard_callees.setdefault(t[1], f"#guard-ret:{t[1]!r}"))
+                    mark = f"{_GUARD_RET_MARK}{t[1]!r}"
+                    marks.add(self.facts.guard_callees.setdefault(t[1], mark))
             if any(m not in names for m in marks):
                 names = {**names, **{m: _OLD for m in marks}}
         out = []
@@ -1248,7 +1260,7 @@ class _Interpreter:
                 self.facts.add(self.facts.stored, str(op.argval), value.made)
                 owner = owner._replace(alias=owner.alias - {_SELF})
                 names[_OLD_MARK + str(op.argval)] = _EMPTY  # written on this path
-                marks = {k for k in names if k.startswith("#guard")}
+                marks = _guard_marks(names)
                 if marks:  # past a condition (which reads what, known at the end)
                     self.facts.add(self.facts.guarded, write, marks)
                 self.changed = True
@@ -1298,7 +1310,7 @@ class _Interpreter:
         if _OPAQUE in inputs.callee:
             made.add(_UNKNOWN)
         called = 2 if op.opname in ("CALL", "CALL_KW") else 1  # a global called is not changed
-        marks = frozenset(k for k in names if k.startswith("#guard"))
+        marks = _guard_marks(names)
         for callee in _joined(taken[:called]).callee:  # a method writing on every path
             if marks:
                 self.facts.guarded_calls.add((self.key, callee, marks))

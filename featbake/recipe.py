@@ -9,6 +9,7 @@ options, which is why a dataset finds what the CLI baked.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -30,9 +31,11 @@ RECIPE_VERSION = 1
 STORED_DTYPE_NAMES = ("float32", "float16", "bfloat16", "int8", "fp8")
 
 
+@functools.cache
 def stored_dtypes() -> dict[str, torch.dtype]:
     """Stored dtype name -> the dtype of the stored tensor. ``int8`` and ``fp8`` (e4m3) are
     stored packed, a float32 scale per row after its codes (see :mod:`featbake.quantize`).
+    Made once (torch loaded then), read per batch; not to be changed.
 
     Example:
         >>> stored_dtypes()["float16"], stored_dtypes()["int8"]

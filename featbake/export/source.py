@@ -1249,5 +1249,7 @@ def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export
         {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
         written,
         time.perf_counter() - started,
-        *(len(paths) for _, paths in matched.drifts()),
+        unlisted=len(matched.unlisted),
+        changed=len(matched.changed),
+        unchecked=len(matched.unchecked),
     )
