@@ -68,7 +68,11 @@ from featbake.store.shard import SealedShard, ShardEntry, tensor_name
 #        over with ``cp -p`` keeps size, mtime and inode, not ctime; an entry recorded within a
 #        second of its file's mtime is "racy" and not trusted). Rows migrated from version 2 get
 #        0 in both columns, so their files are simply hashed again once.
-SCHEMA_VERSION = 3
+#     4: ``roots.workdir``: the folder a root's data's relative paths were taken from (a Kaldi
+#        folder's ``wav.scp``, lhotse cuts: the build's working directory, see
+#        :class:`~featbake.store.roots.Root`). Roots migrated from version 3 get ``''``: their
+#        data is read from the working directory, as before.
+SCHEMA_VERSION = 4
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -110,7 +114,8 @@ CREATE TABLE IF NOT EXISTS roots (
     recipe TEXT NOT NULL,               -- canonical JSON of the recipe
     items INTEGER NOT NULL,
     created REAL NOT NULL,
-    last_used REAL NOT NULL
+    last_used REAL NOT NULL,
+    workdir TEXT NOT NULL DEFAULT ''    -- schema 4: where the data's relative paths are taken from
 );
 CREATE TABLE IF NOT EXISTS root_items (
     root TEXT NOT NULL,
@@ -137,8 +142,16 @@ def _migrate_2_to_3(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE hash_cache ADD COLUMN recorded_ns INTEGER NOT NULL DEFAULT 0")
 
 
+def _migrate_3_to_4(conn: sqlite3.Connection) -> None:
+    if "workdir" not in {r[1] for r in conn.execute("PRAGMA table_info(roots)")}:
+        conn.execute("ALTER TABLE roots ADD COLUMN workdir TEXT NOT NULL DEFAULT ''")
+
+
 #: from version -> the step that brings a catalog to the next version (inside one transaction).
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {2: _migrate_2_to_3}
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
+    2: _migrate_2_to_3,
+    3: _migrate_3_to_4,
+}
 
 
 def schema_version(conn: sqlite3.Connection) -> int | None:
@@ -1103,7 +1116,8 @@ def write_root_rows(
     of both; ``first`` > 0 appends to the items already there). ``indices`` gives each item's
     index instead (a rank's fragment holds its slice of the whole build's manifest)."""
     c.execute(
-        f"INSERT OR REPLACE INTO roots({', '.join(Root.COLUMNS)}) VALUES (?,?,?,?,?,?,?,?,?)",
+        f"INSERT OR REPLACE INTO roots({', '.join(Root.COLUMNS)}) "
+        f"VALUES ({','.join('?' * len(Root.COLUMNS))})",
         root.row(),
     )
     where = range(first, first + len(items)) if indices is None else indices
