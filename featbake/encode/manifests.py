@@ -306,6 +306,7 @@ class RowInputs:
         #: build's, :attr:`featbake.store.roots.Root.workdir`), else the working directory now;
         #: ``""`` where its paths do not depend on it.
         self.workdir = (workdir or os.getcwd()) if self.paths_from_workdir else ""
+        self.workdir_recorded = bool(workdir)  # a build's, not this process's own
         self.items: dict[str, Item] = {}  # id -> item, in the manifest's order (after scan)
         self.by_path: dict[str, Item] = {}  # Item.where -> item
 
@@ -976,7 +977,7 @@ class KaldiInputs(RowInputs):
         """
         scp = os.path.join(self.origin, "wav.scp")
         out: dict[str, Placed | Unplaced] = {}
-        paths = ToolPaths(scp, self.workdir)
+        paths = ToolPaths(scp, self.workdir, recorded=self.workdir_recorded)
         for line, fields in kaldi_lines(scp):
             if len(fields) < 2:
                 parsed.skipped.append(SkippedInput(f"wav.scp:{line}", "no file after the id"))
@@ -1081,7 +1082,7 @@ class CutsInputs(RowInputs):
             )
         name = os.path.basename(self.origin)
         parsed = Parsed()
-        paths = ToolPaths(self.origin, self.workdir)
+        paths = ToolPaths(self.origin, self.workdir, recorded=self.workdir_recorded)
         try:
             with cut_lines(self.origin) as f:
                 for line, cut in json_records(f):
@@ -1171,14 +1172,15 @@ class ToolPaths:
 
     Args:
         manifest: the cut manifest or ``wav.scp`` (its folder is where a user may have meant).
-        workdir: the folder relative paths are taken from: the working directory a build ran
-            in, as its root records it (:attr:`featbake.store.roots.Root.workdir`), where the
-            data is opened again from elsewhere; ``""``: the working directory now.
+        workdir: the folder relative paths are taken from (``""``: the working directory).
+        recorded: ``workdir`` is the one a build ran in, as its root records it
+            (:attr:`featbake.store.roots.Root.workdir`): the data is opened again, maybe from
+            elsewhere (a bad row's line names it so).
     """
 
-    def __init__(self, manifest: str, workdir: str = "") -> None:
+    def __init__(self, manifest: str, workdir: str = "", *, recorded: bool = False) -> None:
         self.manifest = manifest
-        self.recorded = bool(workdir)
+        self.recorded = recorded
         self.cwd = workdir or os.getcwd()
         self.seen: dict[str, str | BadRow] = {}
 

@@ -65,8 +65,8 @@ def read_old_catalog(path: Path) -> OldCatalog:
             have = {r[1] for r in conn.execute("PRAGMA table_info(roots)")}
             # a root of a catalog before schema 4 names no workdir: its data read from the cwd
             cols = [c if c in have else "''" for c in Root.COLUMNS]
-            rows = conn.execute(f"SELECT {', '.join(cols)} FROM roots").fetchall()
-            out.roots = [_old_root(conn, r) for r in rows]
+            roots = conn.execute(f"SELECT {', '.join(cols)} FROM roots").fetchall()
+            out.roots = [_old_root(conn, r) for r in roots]
     finally:
         conn.close()
     return out
