@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import soundfile
+import torch
 
 from featbake.store.catalog import SCHEMA_VERSION, Catalog
 from featbake.store.layout import Layout
@@ -31,7 +32,7 @@ from tests.export.test_round14_review import (
     _report,
     _same_size_other_bytes,
 )
-from tests.helpers import Live, bake, printed
+from tests.helpers import Live, bake, printed, stored_features
 
 pq = pytest.importorskip("pyarrow.parquet")
 
@@ -173,6 +174,7 @@ def test_a_root_without_a_recorded_folder_is_exported_as_before(
     assert "cannot be read from its data" in r.stderr, printed(r)
 
 
+# == r15p.4: the record survives the catalog's loss ===============================================
 def test_a_catalog_rebuilt_from_root_files_keeps_the_recorded_folder(
     encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -194,7 +196,7 @@ def test_a_catalog_rebuilt_from_root_files_keeps_the_recorded_folder(
     assert r.returncode == 0 and _counts(r) == (2, 1, 0), printed(r)
 
 
-# == r15p.4: `featbake build` run where the paths are, export run elsewhere =======================
+# == r15p.5: `featbake build` run where the paths are, export run elsewhere =======================
 def test_the_cli_build_from_the_recipe_folder_and_export_from_elsewhere(
     encoder_file: Path, tmp_path: Path
 ) -> None:
@@ -218,7 +220,7 @@ def test_the_cli_build_from_the_recipe_folder_and_export_from_elsewhere(
     assert [(t["id"], t["text"]) for t in table] == [("s1", "words 1"), ("s2", "words 2")]
 
 
-# == r15p.5: a dataset over a Kaldi folder made from another directory =============================
+# == r15p.6: a dataset over a Kaldi folder made from another directory =============================
 def test_a_kaldi_dataset_from_another_directory_serves_features_of_the_bytes_it_names(
     encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -251,7 +253,46 @@ def test_a_kaldi_dataset_from_another_directory_serves_features_of_the_bytes_it_
     ds = CachedFeatureDataset(kaldi, encoder_file, cache=store_dir)
     live = Live()
     assert [ds.item_id(i) for i in range(len(ds))] == ["r0", "r1", "r2"]
-    torch_testing = pytest.importorskip("torch.testing")
-    torch_testing.assert_close(ds[0], live(encoder_file, other))
-    torch_testing.assert_close(ds[1], live(encoder_file, old))
-    torch_testing.assert_close(ds[2], live(encoder_file, clips[2]))
+    torch.testing.assert_close(ds[0], live(encoder_file, other))
+    torch.testing.assert_close(ds[1], live(encoder_file, old))
+    torch.testing.assert_close(ds[2], live(encoder_file, clips[2]))
+
+
+# == r15p.7: an engine's worker, whose working directory is not the driver's ======================
+def test_an_engines_worker_opens_a_kaldi_folder_from_the_drivers_folder(
+    encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build through an engine sends its worker the root (``EngineJob.root``) with the
+    folder the driver took the relative paths from; the worker, run from another directory
+    (a node's own), opens the data with it rather than its own, and encodes the rows as the
+    driver keyed them."""
+    from featbake.bake.pipeline import PartEncoder, build
+    from tests.bake.test_engines import InProcess
+
+    opened: list[str] = []
+
+    class Elsewhere(InProcess):
+        def encode(self, job, items, progress):
+            with monkeypatch.context() as m:
+                m.chdir(tmp_path / "elsewhere")
+                worker = PartEncoder(job)
+                opened.append(worker.bake.place.workdir)
+                self.items += items
+                return worker.encode(items)
+
+    monkeypatch.chdir(tmp_path)
+    clips = _aged_clips(tmp_path, 3)
+    kaldi = tmp_path / "kaldi"
+    kaldi.mkdir()
+    rel = [os.path.relpath(c, tmp_path) for c in clips]
+    (kaldi / "wav.scp").write_text("".join(f"r{i} {p}\n" for i, p in enumerate(rel)))
+    (tmp_path / "elsewhere").mkdir()
+    engine = Elsewhere()
+    report = build(kaldi, encoder_file, cache=store_dir, engine=engine)  # type: ignore[arg-type]
+    assert (report.failed, report.encoded) == ([], 3), report.failed
+    assert opened == [str(tmp_path)]
+    assert _only_root(store_dir).workdir == str(tmp_path)
+    live = Live()
+    got = stored_features(store_dir, report.root)
+    for i, clip in enumerate(clips):
+        torch.testing.assert_close(got[f"r{i}"][""], live(encoder_file, clip))
