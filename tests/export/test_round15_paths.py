@@ -142,14 +142,22 @@ def _as_schema_3(store: Path) -> None:
         manifest.write_text(json.dumps(doc))
 
 
+def _schema_version(store: Path) -> str:
+    with closing(sqlite3.connect(store / "catalog.sqlite")) as conn:
+        return str(conn.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone()[0])
+
+
 def test_a_root_without_a_recorded_folder_is_exported_as_before(
     encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Kaldi root a schema-3 store holds (no folder recorded). It opens (migrated to schema
-    4, its root's folder ``""``), verify finds it clean (its manifest file, without the field,
-    agrees with the row), and its data is read from the working directory as before: from the
-    build's, the rewritten clip's item is left out; from another, every item is unchecked and
-    exported as built, with the line that says so."""
+    """A Kaldi root a schema-3 store holds (no folder recorded). Read-only (a read-only mount)
+    it is read as it is: stats and the export work, the catalog stays at 3 (a schema bump
+    refused every read-only open, a FragmentCatalog's too, until a writer upgraded it). Where
+    writable, verify migrates it to 4 (its root's folder ``""``) and finds it clean: the
+    ``roots.workdir`` column is not required of a catalog (a 3 is sound, not damaged), and its
+    manifest file, without the field, agrees with the row. Its data is read from the working
+    directory as before: from the build's, the rewritten clip's item is left out; from
+    another, every item is unchecked and exported as built, with the line that says so."""
     monkeypatch.chdir(tmp_path)
     clips = _aged_clips(tmp_path, 3)
     data = _manifests(tmp_path, clips)
@@ -157,14 +165,20 @@ def test_a_root_without_a_recorded_folder_is_exported_as_before(
     _as_schema_3(store_dir)
     _same_size_other_bytes(clips[1])
 
+    monkeypatch.setenv("FEATBAKE_READ_ONLY", "1")
+    assert invoke("stats", "--cache", store_dir).returncode == 0
     r = _export(store_dir, tmp_path / "k.parquet")
     assert r.returncode == 0, printed(r)
     assert _counts(r) == (2, 1, 0), printed(r)
-    with closing(sqlite3.connect(store_dir / "catalog.sqlite")) as conn:
-        version = conn.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone()
-    assert version == (str(SCHEMA_VERSION),) and _only_root(store_dir).workdir == ""
+    assert _schema_version(store_dir) == "3"
+    monkeypatch.delenv("FEATBAKE_READ_ONLY")
+
     v = invoke("verify", "--cache", store_dir)
     assert v.returncode == 0, printed(v)
+    assert _schema_version(store_dir) == str(SCHEMA_VERSION)
+    assert _only_root(store_dir).workdir == ""
+    r = _export(store_dir, tmp_path / "k.parquet", "--overwrite")
+    assert r.returncode == 0 and _counts(r) == (2, 1, 0), printed(r)
 
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
