@@ -1290,7 +1290,7 @@ class PartEncoder:
         dev = check_device(job.device)
         catalog = FragmentCatalog(job.layout, RankPart(0, 1, ()))
         catalog.replace_root(job.root, [])  # this build's id (workers_build), no manifest
-        # a worker's working directory is not the driver's: relative paths taken from its
+        # a worker's working directory is not the driver's: relative paths from the driver's
         place = (
             inputs_at(job.data, job.column, job.recipe.source, job.root.workdir)
             if job.data
