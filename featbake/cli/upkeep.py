@@ -177,6 +177,7 @@ def _print_roots(roots: Any) -> None:
             f"{r.name}  {r.items:,} items, {missing}, last used {format_when(r.last_used)}",
             [
                 ("data", escape(r.data)),
+                *([("workdir", escape(r.workdir))] if r.workdir else []),
                 ("encoder", escape(r.encoder_label)),
                 ("recipe", escape(recipe_brief(r.recipe))),
                 *_fidelity_row(r.fidelity),

@@ -217,12 +217,15 @@ def test_the_cli_build_from_the_recipe_folder_and_export_from_elsewhere(
     """End to end, two processes: ``featbake build --data kaldi`` run in the folder its
     ``wav.scp`` is relative to (``--data`` and ``--cache`` relative too), one clip rewritten,
     ``featbake export`` run from another folder: the rewritten clip's utterance is left out,
-    the others checked and exported with their texts."""
+    the others checked and exported with their texts. ``featbake roots`` shows the folder."""
     clips = _aged_clips(tmp_path, 3)
     _manifests(tmp_path, clips)
     built = run_cli("build", "-e", encoder_file, "-d", "kaldi", "--cache", "store", "--workers",
                     "0", cwd=tmp_path)  # fmt: skip
     assert built.returncode == 0, built.stdout + built.stderr
+    listed = invoke("roots", "--cache", tmp_path / "store", "--json")
+    assert [r["workdir"] for r in json.loads(listed.stdout)] == [str(tmp_path)], printed(listed)
+    assert f"workdir  {tmp_path}" in invoke("roots", "--cache", tmp_path / "store").stdout
     _same_size_other_bytes(clips[0])
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
