@@ -62,6 +62,7 @@ from featbake.encode.inputs import (
     carry_to,
     digested_anywhere,
     inputs_at,
+    workdir_of,
 )
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.manifests import Item
@@ -696,11 +697,17 @@ class _Bake:
         It names keys, not features, so readers can map index -> key (and gc keeps these keys
         live) while the features are still being encoded.
         """
-        spec = RootSpec(
+        self.catalog.replace_root(self.root_spec(), self.manifest)
+
+    def root_spec(self) -> RootSpec:
+        """The root this build publishes: its data, encoder and recipe, and the folder the
+        data's relative paths were taken from where its readers take them from the working
+        directory (a Kaldi folder, lhotse cuts: :attr:`~featbake.store.roots.Root.workdir`),
+        so that its data is read again as built from anywhere."""
+        return RootSpec(
             self.report.root, self.place.where, self.enc.label, self.report.encoder_fp,
-            self.report.recipe_fp, self.recipe.as_dict(),
+            self.report.recipe_fp, self.recipe.as_dict(), workdir_of(self.place),
         )  # fmt: skip
-        self.catalog.replace_root(spec, self.manifest)
 
     def stored_still(self) -> set[str]:
         """The keys found stored when the encoder's load was decided, if no other writer has
@@ -812,10 +819,7 @@ class _Bake:
         data = os.fspath(elsewhere.data)
         if "://" not in data:
             data = os.path.abspath(data)  # a worker's working directory is not this one
-        root = RootSpec(
-            self.report.root, self.place.where, self.enc.label, self.report.encoder_fp,
-            self.report.recipe_fp, self.recipe.as_dict(),
-        )  # fmt: skip
+        root = self.root_spec()
         opts = dataclasses.replace(self.options, workers=0, on_gpu=elsewhere.device != "cpu")
         return EngineJob(
             self.layout, root, self.enc.kind, self.enc.spec, self.enc.weights,
@@ -1286,7 +1290,12 @@ class PartEncoder:
         dev = check_device(job.device)
         catalog = FragmentCatalog(job.layout, RankPart(0, 1, ()))
         catalog.replace_root(job.root, [])  # this build's id (workers_build), no manifest
-        place = inputs_at(job.data, job.column, job.recipe.source) if job.data else HeldInputs()
+        # a worker's working directory is not the driver's: relative paths from the driver's
+        place = (
+            inputs_at(job.data, job.column, job.recipe.source, job.root.workdir)
+            if job.data
+            else HeldInputs()
+        )
         enc = BuildEncoder(
             job.encoder, job.weights, dev, job.trust_pickle, job.recipe, job.root.encoder_label,
             job.encoder_kind, known_fp=job.root.encoder_fp,

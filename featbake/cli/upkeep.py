@@ -177,6 +177,7 @@ def _print_roots(roots: Any) -> None:
             f"{r.name}  {r.items:,} items, {missing}, last used {format_when(r.last_used)}",
             [
                 ("data", escape(r.data)),
+                *([("workdir", escape(r.workdir))] if r.workdir else []),
                 ("encoder", escape(r.encoder_label)),
                 ("recipe", escape(recipe_brief(r.recipe))),
                 *_fidelity_row(r.fidelity),
@@ -699,14 +700,14 @@ def _print_spot_check(report: Any, verdict: Any) -> None:
 
 
 def redigested(
-    data: str, source: str, catalog: Catalog, actual: Mapping[str, str]
+    data: str, source: str, catalog: Catalog, actual: Mapping[str, str], workdir: str
 ) -> Mapping[str, tuple[str, str]]:
     """:func:`featbake.encode.inputs.redigested`, imported only when a repair re-keys a
     manifest's, tar's or table's items: encode code loads torch, which checking a store's
     bytes never needs."""
     from featbake.encode.inputs import redigested as encode_redigested
 
-    return encode_redigested(data, source, catalog, actual)
+    return encode_redigested(data, source, catalog, actual, workdir)
 
 
 # == merge =========================================================================================
@@ -998,7 +999,8 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
         source = root.recipe.get("source")
 
         def opened(named: str | None) -> tuple[Any, set[str]]:
-            inputs = inputs_at(root.data, named, source)
+            # relative paths taken from where the build took them (a Kaldi folder's, cuts')
+            inputs = inputs_at(root.data, named, source, root.workdir)
             # a manifest's rows are read by its scan
             return inputs, set(inputs.scan(source_extensions(source)).inputs)
 

@@ -227,7 +227,10 @@ class ObjectSource:
 # ``scan``). Kinds with a module of their own are imported by their opener, so that module may
 # import this one. A folder is the last resort: a name no test claims is read as a folder (and a
 # missing one is refused by the scan, as before).
-Opener = Callable[[str, str | None], Inputs]
+# Each opener takes (where, column, workdir): ``workdir`` is the folder a layout that takes
+# relative paths from the working directory (Kaldi's ``wav.scp``, lhotse cuts) takes them from
+# (``""``: the working directory now); the other kinds' paths do not depend on it.
+Opener = Callable[[str, str | None, str], Inputs]
 
 
 #: The endings of a manifest of rows (JSON lines, NeMo's ``.json`` of JSON lines, CSV, TSV),
@@ -439,30 +442,38 @@ def _is_kaldi_dir(where: str) -> bool:
     return bytes_at(where).folder_has(where, "wav.scp")
 
 
-def _open_manifest(where: str, column: str | None) -> Inputs:
+def _open_manifest(where: str, column: str | None, workdir: str) -> Inputs:
     from featbake.encode.manifests import ManifestInputs
 
-    return ManifestInputs(where, column)
+    return ManifestInputs(where, column)  # its paths are relative to its own folder
 
 
-def _open_cuts(where: str, column: str | None) -> Inputs:
+def _open_cuts(where: str, column: str | None, workdir: str) -> Inputs:
     from featbake.encode.manifests import CutsInputs
 
-    return CutsInputs(where, column)
+    return CutsInputs(where, column, workdir)
 
 
-def _open_kaldi_dir(where: str, column: str | None) -> Inputs:
+def _open_kaldi_dir(where: str, column: str | None, workdir: str) -> Inputs:
     from featbake.encode.manifests import KaldiInputs
 
-    return KaldiInputs(where, column)
+    return KaldiInputs(where, column, workdir)
 
 
-def _open_bucket(where: str, column: str | None) -> Inputs:
+def _open_webdataset(where: str, column: str | None, workdir: str) -> Inputs:
+    return webdataset_at(where, column)
+
+
+def _open_table(where: str, column: str | None, workdir: str) -> Inputs:
+    return table_at(where, column)
+
+
+def _open_bucket(where: str, column: str | None, workdir: str) -> Inputs:
     _no_column(where, column)
     return BucketInputs(where)
 
 
-def _open_folder(where: str, column: str | None) -> Inputs:
+def _open_folder(where: str, column: str | None, workdir: str = "") -> Inputs:
     _no_column(where, column)
     return Folder(where)
 
@@ -480,14 +491,17 @@ OPENERS: list[tuple[Callable[[str], bool], Opener]] = [
     (_is_cuts, _open_cuts),  # before .jsonl: cuts.jsonl.gz
     (_is_manifest, _open_manifest),
     (_is_kaldi_dir, _open_kaldi_dir),
-    (is_webdataset, webdataset_at),  # before a prefix: a prefix of tars only is shards
-    (is_table, table_at),
+    (is_webdataset, _open_webdataset),  # before a prefix: a prefix of tars only is shards
+    (is_table, _open_table),
     (_is_bucket_prefix, _open_bucket),
 ]
 
 
 def inputs_at(
-    data: str | os.PathLike[str], column: str | None = None, source: str | None = None
+    data: str | os.PathLike[str],
+    column: str | None = None,
+    source: str | None = None,
+    workdir: str = "",
 ) -> Inputs:
     """The inputs at ``data``: the first kind in :data:`OPENERS` that claims it, else a folder.
 
@@ -499,6 +513,10 @@ def inputs_at(
             ``path``); refused for a folder or a bucket prefix.
         source: the recipe's source kind: for ``text`` a manifest's column holds each item's
             text itself, not a path (:class:`featbake.encode.texts.TextRows`).
+        workdir: the folder a Kaldi folder's or a cut manifest's relative paths are taken from
+            (they take them from the working directory, as Kaldi and lhotse do): a root's
+            record of its build's (:attr:`featbake.store.roots.Root.workdir`) where its data is
+            opened again; ``""``: the working directory now.
 
     Raises:
         ConfigError: a URL of a scheme featbake does not speak, or ``column`` for a folder.
@@ -514,8 +532,18 @@ def inputs_at(
         return TextRows(where, column)
     for test, opener in OPENERS:
         if test(where):
-            return opener(where, column)
+            return opener(where, column, workdir)
     return _open_folder(where, column)
+
+
+def workdir_of(inputs: Inputs) -> str:
+    """The folder ``inputs``' relative paths were taken from, for its root to record
+    (:attr:`featbake.store.roots.Root.workdir`): a Kaldi folder's or a cut manifest's (the
+    working directory it was opened in, or the one it was opened with); ``""`` for every kind
+    whose paths do not depend on the working directory."""
+    from featbake.encode.manifests import RowInputs
+
+    return inputs.workdir if isinstance(inputs, RowInputs) else ""
 
 
 @runtime_checkable
@@ -601,12 +629,13 @@ class DigestView:
 
 
 def redigested(
-    data: str, source: str, catalog: HashCache, actual: Mapping[str, str]
+    data: str, source: str, catalog: HashCache, actual: Mapping[str, str], workdir: str = ""
 ) -> dict[str, tuple[str, str]]:
     """item id -> (its digest through the hash cache now, its digest had the rows ``actual``
     names held those digests), for the items of ``data`` whose digest the rows change.
 
-    ``data`` is opened through :func:`inputs_at` with its default column; data that cannot be
+    ``data`` is opened through :func:`inputs_at` with its default column (and its relative
+    paths taken from ``workdir``, its root's record, as its build took them); data that cannot be
     opened or scanned any more, and a folder of files (re-keyed by their rows), give ``{}``
     (a build with another ``--column`` keys other digests: its items stay, the next build
     re-keys them). Items
@@ -617,7 +646,7 @@ def redigested(
         ... # doctest: +SKIP
     """
     try:
-        inputs = inputs_at(data, None, source)
+        inputs = inputs_at(data, None, source, workdir)
         if isinstance(inputs, Folder):
             return {}  # a file's item names it: the repair re-keys it by its own row
         rels = inputs.scan(source_extensions(source)).inputs

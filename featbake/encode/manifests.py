@@ -292,10 +292,21 @@ class RowInputs:
     #: Each row's digest comes from a file read whole (its SHA-256, or a segment's derived from
     #: it), so an engine's workers may read and hash the files (``hash``'s ``digester``).
     hashed_anywhere: ClassVar[bool] = True
+    #: Whether the layout takes a relative path from the working directory (Kaldi's
+    #: ``wav.scp``, lhotse's cut sources), not from the manifest's folder.
+    paths_from_workdir: ClassVar[bool] = False
 
-    def __init__(self, data: str | os.PathLike[str], column: str | None = None) -> None:
+    def __init__(
+        self, data: str | os.PathLike[str], column: str | None = None, workdir: str = ""
+    ) -> None:
         self.origin = resolve_path(data)
         self.column = column
+        #: The folder relative paths are taken from, where the layout takes them from the
+        #: working directory (:attr:`paths_from_workdir`): ``workdir`` (a root's record of its
+        #: build's, :attr:`featbake.store.roots.Root.workdir`), else the working directory now;
+        #: ``""`` where its paths do not depend on it.
+        self.workdir = (workdir or os.getcwd()) if self.paths_from_workdir else ""
+        self.workdir_recorded = bool(workdir)  # a build's, not this process's own
         self.items: dict[str, Item] = {}  # id -> item, in the manifest's order (after scan)
         self.by_path: dict[str, Item] = {}  # Item.where -> item
 
@@ -928,6 +939,8 @@ def table_record(header: list[str], fields: list[str]) -> dict[str, str] | BadRo
 class KaldiInputs(RowInputs):
     """A Kaldi data folder: ``wav.scp`` (+ ``segments``, ``text``, ``utt2spk``)."""
 
+    paths_from_workdir = True
+
     def parse(self) -> Parsed:
         if self.column is not None:
             raise SourceError(
@@ -964,7 +977,7 @@ class KaldiInputs(RowInputs):
         """
         scp = os.path.join(self.origin, "wav.scp")
         out: dict[str, Placed | Unplaced] = {}
-        paths = ToolPaths(scp)
+        paths = ToolPaths(scp, self.workdir, recorded=self.workdir_recorded)
         for line, fields in kaldi_lines(scp):
             if len(fields) < 2:
                 parsed.skipped.append(SkippedInput(f"wav.scp:{line}", "no file after the id"))
@@ -1059,6 +1072,8 @@ class CutsInputs(RowInputs):
     """A lhotse cut manifest (``cuts.jsonl.gz``): read with gzip and json; a cut whose
     recording has ``transforms`` is decoded by lhotse itself (see :class:`LhotseAudio`)."""
 
+    paths_from_workdir = True
+
     def parse(self) -> Parsed:
         if self.column is not None:
             raise SourceError(
@@ -1067,7 +1082,7 @@ class CutsInputs(RowInputs):
             )
         name = os.path.basename(self.origin)
         parsed = Parsed()
-        paths = ToolPaths(self.origin)
+        paths = ToolPaths(self.origin, self.workdir, recorded=self.workdir_recorded)
         try:
             with cut_lines(self.origin) as f:
                 for line, cut in json_records(f):
@@ -1157,11 +1172,16 @@ class ToolPaths:
 
     Args:
         manifest: the cut manifest or ``wav.scp`` (its folder is where a user may have meant).
+        workdir: the folder relative paths are taken from (``""``: the working directory).
+        recorded: ``workdir`` is the one a build ran in, as its root records it
+            (:attr:`featbake.store.roots.Root.workdir`): the data is opened again, maybe from
+            elsewhere (a bad row's line names it so).
     """
 
-    def __init__(self, manifest: str) -> None:
+    def __init__(self, manifest: str, workdir: str = "", *, recorded: bool = False) -> None:
         self.manifest = manifest
-        self.cwd = os.getcwd()
+        self.recorded = recorded
+        self.cwd = workdir or os.getcwd()
         self.seen: dict[str, str | BadRow] = {}
 
     def file(self, value: Any) -> str:
@@ -1191,8 +1211,9 @@ class ToolPaths:
         folder = os.path.dirname(self.manifest)
         beside = os.path.normpath(os.path.join(folder, value))
         if os.path.exists(beside):
+            where = "the build's working directory" if self.recorded else "the working directory"
             raise BadRow(
-                f"{value} is not in the working directory ({self.cwd}), which relative paths "
+                f"{value} is not in {where} ({self.cwd}), which relative paths "
                 f"are taken from as lhotse and Kaldi take them, but is beside the manifest "
                 f"({beside}): run from {folder} or write absolute paths"
             )
@@ -1216,7 +1237,7 @@ def cut_item(cut: Mapping[str, Any], paths: ToolPaths, where: str) -> tuple[str,
         duration = cut.get("duration")  # none: to the recording's end
         end = None if duration is None else start + seconds(duration, "duration")
         span = span_of(start, end, source.picked)
-        effects = lhotse_audio(cut, rec, source.file) if rec.get("transforms") else None
+        effects = lhotse_audio(cut, rec, source.file, paths.cwd) if rec.get("transforms") else None
     except BadRow as e:
         raise BadRow(f"cut {cut['id']}: {e}") from None
     return str(cut["id"]), Item(source.file, span, where, cut_row(cut), effects)
@@ -1295,8 +1316,11 @@ class LhotseAudio:
         return first, last
 
 
-def lhotse_audio(cut: Mapping[str, Any], rec: Mapping[str, Any], file: str) -> LhotseAudio:
-    """The lhotse decoding of a cut with transforms.
+def lhotse_audio(
+    cut: Mapping[str, Any], rec: Mapping[str, Any], file: str, workdir: str
+) -> LhotseAudio:
+    """The lhotse decoding of a cut with transforms; its file sources' relative paths taken
+    from ``workdir`` (:attr:`ToolPaths.cwd`: where the cut's own source was found).
 
     Raises:
         BadRow: lhotse is not installed, the source is in a bucket, or no sampling rate.
@@ -1315,7 +1339,7 @@ def lhotse_audio(cut: Mapping[str, Any], rec: Mapping[str, Any], file: str) -> L
     sources = [dict(s) for s in rec.get("sources") or [] if isinstance(s, Mapping)]
     for s in sources:
         if s.get("type") == "file" and isinstance(s.get("source"), str):
-            s["source"] = os.path.abspath(os.path.expanduser(s["source"]))
+            s["source"] = os.path.normpath(os.path.join(workdir, os.path.expanduser(s["source"])))
     recording = json.dumps({**rec, "sources": sources}, sort_keys=True)
     channel = cut.get("channel")
     duration = cut.get("duration")

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from featbake.encode.fingerprints import hash_inputs, resolve_path
-from featbake.encode.inputs import Inputs, inputs_at, keeps_order
+from featbake.encode.inputs import Inputs, inputs_at, keeps_order, workdir_of
 from featbake.encode.sources import check_input_files
 from featbake.encode.tables import Table
 from featbake.encode.webdataset import WebDataset
@@ -272,7 +272,9 @@ def _index_place(
         )
     if publish:
         items = list(zip(rel_paths, keys, strict=True))
-        _publish_root(catalog, spec, data_dir, items, name, new=new_root)
+        _publish_root(
+            catalog, spec, data_dir, items, name, new=new_root, workdir=workdir_of(inputs)
+        )
     return Index(rel_paths, keys, data_dir, catalog, spec, hashed, inputs, name)
 
 
@@ -351,9 +353,11 @@ def _publish_root(
     name: str | None = None,
     *,
     new: bool = True,
+    workdir: str = "",
 ) -> None:
     """Replace the root of ``data`` with ``items`` unless it already holds exactly them (or,
-    ``new=False``, unless there is no such root yet)."""
+    ``new=False``, unless there is no such root yet); ``workdir``: where the data's relative
+    paths were taken from (:attr:`~featbake.store.roots.Root.workdir`)."""
     name = name or root_id(data, spec.enc_label, spec.recipe_fp)
     root = catalog.root(name)
     if root is None and not new:
@@ -364,7 +368,9 @@ def _publish_root(
         and [tuple(x) for x in catalog.root_items(name)] == items
     ):
         return
-    published = RootSpec(name, data, spec.enc_label, spec.enc_fp, spec.recipe_fp, spec.recipe)
+    published = RootSpec(
+        name, data, spec.enc_label, spec.enc_fp, spec.recipe_fp, spec.recipe, workdir
+    )
     catalog.replace_root(published, items)
 
 

@@ -68,7 +68,11 @@ from featbake.store.shard import SealedShard, ShardEntry, tensor_name
 #        over with ``cp -p`` keeps size, mtime and inode, not ctime; an entry recorded within a
 #        second of its file's mtime is "racy" and not trusted). Rows migrated from version 2 get
 #        0 in both columns, so their files are simply hashed again once.
-SCHEMA_VERSION = 3
+#     4: ``roots.workdir``: the folder a root's data's relative paths were taken from (a Kaldi
+#        folder's ``wav.scp``, lhotse cuts: the build's working directory, see
+#        :class:`~featbake.store.roots.Root`). Roots migrated from version 3 get ``''``: their
+#        data is read from the working directory, as before.
+SCHEMA_VERSION = 4
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -110,7 +114,8 @@ CREATE TABLE IF NOT EXISTS roots (
     recipe TEXT NOT NULL,               -- canonical JSON of the recipe
     items INTEGER NOT NULL,
     created REAL NOT NULL,
-    last_used REAL NOT NULL
+    last_used REAL NOT NULL,
+    workdir TEXT NOT NULL DEFAULT ''    -- schema 4: where the data's relative paths are taken from
 );
 CREATE TABLE IF NOT EXISTS root_items (
     root TEXT NOT NULL,
@@ -137,8 +142,22 @@ def _migrate_2_to_3(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE hash_cache ADD COLUMN recorded_ns INTEGER NOT NULL DEFAULT 0")
 
 
+def _migrate_3_to_4(conn: sqlite3.Connection) -> None:
+    if "workdir" not in {r[1] for r in conn.execute("PRAGMA table_info(roots)")}:
+        conn.execute("ALTER TABLE roots ADD COLUMN workdir TEXT NOT NULL DEFAULT ''")
+
+
+#: Versions a read-only connection reads as they are, not refused until a writable open
+#: upgrades them: every later version only adds columns whose reads supply their default
+#: (``roots.workdir``: ``''``, see :meth:`RootRows.root_select`), so a store on a read-only
+#: mount, and a read-only reader of a store no writer opened since the upgrade, keep working.
+READ_AS_IS = frozenset({3})
+
 #: from version -> the step that brings a catalog to the next version (inside one transaction).
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {2: _migrate_2_to_3}
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
+    2: _migrate_2_to_3,
+    3: _migrate_3_to_4,
+}
 
 
 def schema_version(conn: sqlite3.Connection) -> int | None:
@@ -178,6 +197,8 @@ def ensure_schema(conn: sqlite3.Connection, path: Path, *, writable: bool) -> No
             f"the catalog {path} has schema version {version}, this featbake reads "
             f"{SCHEMA_VERSION}; upgrade featbake, or rebuild with `featbake verify --repair`"
         )
+    if not writable and version in READ_AS_IS:
+        return
     if not writable:
         what = "no tables" if version is None else f"schema version {version}"
         raise StoreError(
@@ -1088,6 +1109,10 @@ ROOT_READ_SELECT = (
 )
 
 ROOT_SELECT = f"SELECT {', '.join(Root.COLUMNS)} FROM roots"
+#: The roots of a catalog before schema 4 (read as it is, :data:`READ_AS_IS`): no folder recorded.
+ROOT_SELECT_3 = (
+    f"SELECT {', '.join(c if c != 'workdir' else repr('') for c in Root.COLUMNS)} FROM roots"
+)
 ITEMS_SELECT = f"SELECT {columns(RootItem)} FROM root_items WHERE root=? ORDER BY idx"
 
 
@@ -1103,7 +1128,8 @@ def write_root_rows(
     of both; ``first`` > 0 appends to the items already there). ``indices`` gives each item's
     index instead (a rank's fragment holds its slice of the whole build's manifest)."""
     c.execute(
-        f"INSERT OR REPLACE INTO roots({', '.join(Root.COLUMNS)}) VALUES (?,?,?,?,?,?,?,?,?)",
+        f"INSERT OR REPLACE INTO roots({', '.join(Root.COLUMNS)}) "
+        f"VALUES ({','.join('?' * len(Root.COLUMNS))})",
         root.row(),
     )
     where = range(first, first + len(items)) if indices is None else indices
@@ -1130,14 +1156,21 @@ class RootRows(CatalogConnection):
     """Roots and their manifests: reading them, publishing them (builds, datasets,
     CachedEncoder: never a delete of features) and dropping them (gc, ``featbake roots drop``)."""
 
+    def root_select(self) -> str:
+        """The ``SELECT`` of every root column: a catalog of schema 3 read as it is (read-only,
+        :data:`READ_AS_IS`) has no ``workdir``, read as ``''`` (its data read from the working
+        directory, as that featbake read it)."""
+        has = {r[1] for r in self.conn.execute("PRAGMA table_info(roots)")}
+        return ROOT_SELECT if "workdir" in has else ROOT_SELECT_3
+
     def root(self, name: str) -> Root | None:
         """The root named ``name``, or None."""
-        row = self.conn.execute(f"{ROOT_SELECT} WHERE name=?", (name,)).fetchone()
+        row = self.conn.execute(f"{self.root_select()} WHERE name=?", (name,)).fetchone()
         return Root.from_row(row) if row else None
 
     def roots(self) -> list[Root]:
         """Every root, most recently built first."""
-        rows = self.conn.execute(f"{ROOT_SELECT} ORDER BY last_used DESC").fetchall()
+        rows = self.conn.execute(f"{self.root_select()} ORDER BY last_used DESC").fetchall()
         return [Root.from_row(r) for r in rows]
 
     def root_items(self, name: str) -> list[RootItem]:
@@ -1645,7 +1678,7 @@ REQUIRED_COLUMNS: dict[str, frozenset[str]] = {
     ),
     "features": frozenset({"key", "part", "shard_id", "dtype", "shape", "nbytes", "last_used"}),
     "encoders": frozenset(EncoderRow._fields),
-    "roots": frozenset(Root.COLUMNS),
+    "roots": frozenset(Root.COLUMNS) - {"workdir"},  # schema 4 added it: a 3 is migrated
     "root_items": frozenset({"root", "idx", "path", "key"}),
     "hash_cache": frozenset({"path", "size", "mtime_ns", "inode", "sha256"}),
 }

@@ -150,6 +150,8 @@ class BuildInfo:
     encoder_fp: str
     recipe_fp: str
     recipe: dict = field(compare=False)
+    #: where the data's relative paths were taken from (:attr:`~featbake.store.roots.Root.workdir`)
+    workdir: str = ""
 
     def to_meta(self) -> dict[str, str]:
         d = {k: str(getattr(self, k)) for k in self.__dataclass_fields__ if k != "recipe"}
@@ -168,6 +170,7 @@ class BuildInfo:
             meta["encoder_fp"],
             meta["recipe_fp"],
             json.loads(meta["recipe"]),
+            meta.get("workdir", ""),  # none in a fragment written before it was kept
         )
 
     @classmethod
@@ -175,15 +178,16 @@ class BuildInfo:
         """The info of rank ``rank`` of ``world`` of build ``build`` of the root ``spec``."""
         return cls(
             build, rank, world, spec.name, spec.data, spec.encoder_label, encoder_kind,
-            spec.encoder_fp, spec.recipe_fp, spec.recipe,
+            spec.encoder_fp, spec.recipe_fp, spec.recipe, spec.workdir,
         )  # fmt: skip
 
     @property
     def root_spec(self) -> RootSpec:
         """The root this build publishes."""
         return RootSpec(
-            self.root, self.data, self.encoder_label, self.encoder_fp, self.recipe_fp, self.recipe
-        )
+            self.root, self.data, self.encoder_label, self.encoder_fp, self.recipe_fp, self.recipe,
+            self.workdir,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from pathlib import Path
 from featbake.errors import StoreError
 from featbake.store.catalog import (
     ITEMS_SELECT,
-    ROOT_SELECT,
     EncoderRow,
     columns,
     open_sqlite,
@@ -63,7 +62,11 @@ def read_old_catalog(path: Path) -> OldCatalog:
             rows = conn.execute(f"SELECT {columns(EncoderRow)} FROM encoders")
             out.encoders = [EncoderRow._make(r) for r in rows]
         with contextlib.suppress(*unreadable):
-            out.roots = [_old_root(conn, r) for r in conn.execute(ROOT_SELECT).fetchall()]
+            have = {r[1] for r in conn.execute("PRAGMA table_info(roots)")}
+            # a root of a catalog before schema 4 names no workdir: its data read from the cwd
+            cols = [c if c in have else "''" for c in Root.COLUMNS]
+            roots = conn.execute(f"SELECT {', '.join(cols)} FROM roots").fetchall()
+            out.roots = [_old_root(conn, r) for r in roots]
     finally:
         conn.close()
     return out

@@ -41,7 +41,8 @@ class RootItem(NamedTuple):
 @dataclass(frozen=True)
 class RootSpec:
     """What a root is a build of: its name, data folder, encoder and recipe (a ``roots`` row
-    without its counts and times). Every writer of roots takes one."""
+    without its counts and times), and where its data's relative paths were taken from
+    (:attr:`Root.workdir`). Every writer of roots takes one."""
 
     name: str
     data: str
@@ -49,18 +50,27 @@ class RootSpec:
     encoder_fp: str
     recipe_fp: str
     recipe: dict
+    workdir: str = ""
 
     def root(self, items: int, created: float, last_used: float) -> Root:
         """The ``roots`` row of this spec with ``items`` items."""
         return Root(
             self.name, self.data, self.encoder_label, self.encoder_fp, self.recipe_fp,
-            self.recipe, items, created, last_used,
+            self.recipe, items, created, last_used, self.workdir,
         )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Root:
-    """A named manifest: the keys one build of (data, encoder, recipe) produced, in file order."""
+    """A named manifest: the keys one build of (data, encoder, recipe) produced, in file order.
+
+    ``workdir`` is the folder the data's relative paths were taken from, where its readers take
+    them from the working directory (a Kaldi folder's ``wav.scp``, a lhotse cut manifest's
+    sources, as Kaldi and lhotse do): the build's working directory. Reopening the data (the
+    export's check, a repair's re-keying, an engine's worker) takes them from there, not from
+    wherever it runs. ``""`` for data whose paths do not depend on it (a folder, a manifest's
+    paths relative to its own folder) and for a root recorded before it was kept (its data is
+    read from the working directory, as it always was)."""
 
     name: str
     data: str
@@ -71,6 +81,7 @@ class Root:
     items: int
     created: float
     last_used: float
+    workdir: str = ""
 
     #: The ``roots`` table's columns, in the order :meth:`row` gives them.
     COLUMNS = (
@@ -83,6 +94,7 @@ class Root:
         "items",
         "created",
         "last_used",
+        "workdir",
     )
 
     def row(self) -> tuple[Any, ...]:
@@ -97,6 +109,7 @@ class Root:
             self.items,
             self.created,
             self.last_used,
+            self.workdir,
         )
 
     @classmethod
@@ -122,6 +135,7 @@ class Root:
                 items=_count(row["items"]),
                 created=_time(row["created"]),
                 last_used=_time(row["last_used"]),
+                workdir=_text(row["workdir"]),
             )
         except (TypeError, ValueError, RecursionError) as e:
             raise StoreCorrupt(
@@ -208,6 +222,7 @@ def root_payload(root: Root, items: Sequence[tuple[str, str]]) -> dict:
         "recipe": root.recipe,
         "created": root.created,
         "last_used": root.last_used,
+        "workdir": root.workdir,
         "items": [[p, k] for p, k in items],
     }
 
@@ -299,6 +314,7 @@ def read_root_file(path: Path) -> tuple[Root, list[RootItem]]:
             items=len(items),
             created=float(doc["created"]),
             last_used=float(doc["last_used"]),
+            workdir=str(doc.get("workdir", "")),  # none in a manifest written before it was kept
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise StoreCorrupt(

@@ -419,11 +419,18 @@ def _root_finding(layout: Layout, cat: Catalog, r: Root) -> Finding | None:
         froot, fitems = read_manifest(f)
     except StoreCorrupt:
         return None  # reported by check_root_files
-    same_row = (froot.data, froot.encoder_label, froot.encoder_fp, froot.recipe_fp) == (
+    same_row = (
+        froot.data,
+        froot.encoder_label,
+        froot.encoder_fp,
+        froot.recipe_fp,
+        froot.workdir,
+    ) == (
         r.data,
         r.encoder_label,
         r.encoder_fp,
         r.recipe_fp,
+        r.workdir,
     )
     if fitems != [tuple(x) for x in cat.root_items(r.name)] or not same_row:
         return Finding(

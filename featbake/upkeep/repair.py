@@ -281,11 +281,12 @@ def rebuild_catalog(scan: VerifyScan, salvaged: list[SealedShard]) -> RepairOutc
 
 
 # -- the hash cache, re-derived -----------------------------------------------------------------
-#: (a root's data, its source kind, the hash cache, row id -> its right digest) -> item id ->
-#: (its digest now, its right digest): how a manifest's, tar's or table's items come by their
-#: digests, which upkeep cannot read (it imports no encode code); the CLI passes
+#: (a root's data, its source kind, the hash cache, row id -> its right digest, the folder the
+#: data's relative paths were taken from: the root's ``workdir``) -> item id -> (its digest
+#: now, its right digest): how a manifest's, tar's or table's items come by their digests,
+#: which upkeep cannot read (it imports no encode code); the CLI passes
 #: :func:`featbake.encode.inputs.redigested`.
-Redigest = Callable[[str, str, Catalog, Mapping[str, str]], Mapping[str, tuple[str, str]]]
+Redigest = Callable[[str, str, Catalog, Mapping[str, str], str], Mapping[str, tuple[str, str]]]
 
 
 def _rekey_manifests(
@@ -303,7 +304,9 @@ def _rekey_manifests(
         items = [tuple(x) for x in cat.root_items(root.name)]
         source = str(root.recipe.get("source", "audio"))
         local = not bytes_at(root.data).remote  # a bucket's objects: each would be downloaded
-        digests = redigest(root.data, source, cat, actual) if redigest and local else {}
+        digests = (
+            redigest(root.data, source, cat, actual, root.workdir) if redigest and local else {}
+        )
         new = []
         for rel, key in items:
             m = by_path.get(os.path.join(root.data, rel))

@@ -63,6 +63,7 @@ class RootStats:
     created: float
     last_used: float
     fidelity: dict[str, Any] | None = None  # int8/fp8: what the build measured (quantize.Fidelity)
+    workdir: str = ""  # where the data's relative paths were taken from (Root.workdir)
 
     @classmethod
     def of(cls, root: Root, missing: int, layout: Layout | None = None) -> RootStats:
@@ -83,6 +84,7 @@ class RootStats:
             root.created,
             root.last_used,
             measured.to_json() if measured is not None else None,
+            root.workdir,
         )
 
 

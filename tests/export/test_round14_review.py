@@ -214,19 +214,15 @@ def test_csv_kaldi_cuts_and_tables_key_as_built_and_catch_a_change(
 
 
 # == r14.r4: a Kaldi folder exported from another working directory ================================
-@pytest.mark.xfail(
-    strict=True,
-    reason="a Kaldi folder's (and lhotse cuts') relative paths are taken from the working "
-    "directory, which a root does not record: exported from another one, every item's file "
-    "is 'cannot be read' and exported as built, the changed one too (the fix is the build's: "
-    "record where relative paths were taken from; featbake/bake, featbake/encode)",
-)
 def test_a_kaldi_root_exported_from_another_directory_is_checked(
     encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Kaldi folder whose ``wav.scp`` names files relative to the working directory (as
     Kaldi and icefall recipes run), built from there, one clip rewritten since; exported from
-    another directory, the rewritten clip's item should be left out and the rest checked."""
+    another directory. The root did not record that directory, so the export took the paths
+    from its own: every item "cannot be read" and was exported as built, the rewritten clip's
+    too. The build now records it (``Root.workdir``) and the export reads the data from there:
+    the rewritten clip's item is left out and the rest checked."""
     monkeypatch.chdir(tmp_path)
     clips = _aged_clips(tmp_path, 3)
     data = _manifests(tmp_path, clips)

@@ -300,7 +300,8 @@ def test_roots_are_read_and_written_by_column_name(layout: Layout) -> None:
     round-trips: no positional INSERT ... VALUES or SELECT * is left."""
     conn = sqlite3.connect(layout.catalog)
     conn.execute(
-        "CREATE TABLE roots (last_used REAL NOT NULL, created REAL NOT NULL, items INTEGER NOT "
+        "CREATE TABLE roots (workdir TEXT NOT NULL DEFAULT '', "
+        "last_used REAL NOT NULL, created REAL NOT NULL, items INTEGER NOT "
         "NULL, recipe TEXT NOT NULL, recipe_fp TEXT NOT NULL, encoder_fp TEXT NOT NULL, "
         "encoder_label TEXT NOT NULL, data TEXT NOT NULL, name TEXT PRIMARY KEY)"
     )

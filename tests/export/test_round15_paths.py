@@ -1,0 +1,315 @@
+"""Round fifteen: where relative paths were taken from (r15p.1-).
+
+A Kaldi folder's ``wav.scp`` and a lhotse cut manifest's sources may name files relative to the
+working directory (Kaldi and icefall recipes run from theirs). A build takes them from its own;
+its root now records that folder (``Root.workdir``), and whatever opens the root's data again
+(the export's check, a repair's re-keying, an engine's worker) takes them from there, not from
+wherever it runs. Real stores built by the real code, exported through the ``featbake``
+command (in-process, and as a subprocess), read back by pyarrow.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+import soundfile
+import torch
+
+from featbake.store.catalog import SCHEMA_VERSION, Catalog
+from featbake.store.layout import Layout
+from tests.conftest import invoke, run_cli
+from tests.export.test_round14_review import (
+    _aged_clips,
+    _export,
+    _manifests,
+    _report,
+    _same_size_other_bytes,
+)
+from tests.helpers import Live, bake, printed, stored_features
+
+pq = pytest.importorskip("pyarrow.parquet")
+
+
+def _counts(r) -> tuple[int, int, int]:
+    report = _report(r)
+    return report["items"], report["changed"], report["unchecked"]
+
+
+def _only_root(store: Path):
+    with Catalog(Layout(store), read_only=True) as cat:
+        (root,) = cat.roots()
+    return root
+
+
+def _relative_cuts(tmp_path: Path, clips: list[Path]) -> Path:
+    """``fbank/cuts.jsonl.gz``: the cuts of ``_manifests`` with each source relative to
+    ``tmp_path`` (the working directory), as icefall writes ``download/...`` sources in cuts
+    under ``data/fbank/``."""
+    _manifests(tmp_path, clips)
+    with gzip.open(tmp_path / "cuts.jsonl.gz", "rt") as f:
+        rows = [json.loads(line) for line in f]
+    for row in rows:
+        for source in row["recording"]["sources"]:
+            source["source"] = os.path.relpath(source["source"], tmp_path)
+    (tmp_path / "fbank").mkdir()
+    cuts = tmp_path / "fbank" / "cuts.jsonl.gz"
+    with gzip.open(cuts, "wt") as g:
+        g.write("".join(json.dumps(r) + "\n" for r in rows))
+    return cuts
+
+
+# == r15p.1: lhotse cuts with relative sources, exported from another directory ===================
+def test_relative_cuts_exported_from_another_directory_are_checked(
+    encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cuts whose recordings' sources are relative to the working directory, built from there,
+    one clip rewritten since (same size, mtime put back). Exported from another directory, the
+    export took the sources from its own: every cut "cannot be read", all three exported as
+    built, the rewritten one too. The root records where the build took them from; the export
+    reads them there: the rewritten clip's cut is left out, the other two checked."""
+    monkeypatch.chdir(tmp_path)
+    clips = _aged_clips(tmp_path, 3)
+    cuts = _relative_cuts(tmp_path, clips)
+    assert not bake(cuts, encoder_file, store_dir).failed
+    assert _only_root(store_dir).workdir == str(tmp_path)
+    _same_size_other_bytes(clips[1])
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    r = _export(store_dir, tmp_path / "c.parquet")
+    assert r.returncode == 0 and "cannot be read" not in r.stderr, printed(r)
+    assert _counts(r) == (2, 1, 0), printed(r)
+    assert pq.read_table(tmp_path / "c.parquet").column("id").to_pylist() == ["c0", "c2"]
+
+
+# == r15p.2: the readers take the folder as a parameter ============================================
+def test_kaldi_and_cuts_opened_with_a_recorded_folder_take_paths_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One path resolution for a build and for reopening: ``inputs_at(..., workdir=)`` opens a
+    Kaldi folder (``wav.scp`` + ``segments``) and relative cuts, a cut with ``transforms``
+    too (lhotse's own decoding, whose recording's sources were made absolute from the working
+    directory by a second ``os.path.abspath``), from another directory: every file is the
+    recorded folder's. Without it (an old root), the working directory's, as before; a folder
+    and a manifest of rows record none (their paths do not depend on it)."""
+    from featbake.encode.inputs import inputs_at, workdir_of
+    from featbake.encode.manifests import RowInputs
+
+    monkeypatch.chdir(tmp_path)
+    clips = _aged_clips(tmp_path, 2)
+    cuts = _relative_cuts(tmp_path, clips)
+    with gzip.open(cuts, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    rows[1]["recording"]["transforms"] = [{"name": "Volume", "kwargs": {"factor": 0.5}}]
+    with gzip.open(cuts, "wt") as g:
+        g.write("".join(json.dumps(r) + "\n" for r in rows))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for data in (tmp_path / "kaldi", cuts):
+        for workdir, base in ((str(tmp_path), tmp_path), ("", elsewhere)):
+            inputs = inputs_at(data, workdir=workdir)
+            assert isinstance(inputs, RowInputs) and workdir_of(inputs) == str(base)
+            inputs.scan(())
+            files = sorted({item.file for item in inputs.items.values()})
+            assert files == [str(base / c.relative_to(tmp_path)) for c in clips], (data, files)
+            effects = [i.effects for i in inputs.items.values() if i.effects is not None]
+            for e in effects:
+                (source,) = json.loads(e.recording)["sources"]
+                assert source["source"] == str(base / clips[1].relative_to(tmp_path))
+            assert len(effects) == (data == cuts)
+    assert workdir_of(inputs_at(tmp_path / "m.csv", workdir=str(tmp_path))) == ""
+    assert workdir_of(inputs_at(tmp_path / "audio")) == ""
+
+
+# == r15p.3: a root recorded before the folder was kept ============================================
+def _as_schema_3(store: Path) -> None:
+    """The store as the featbake before schema 4 left it: no ``roots.workdir`` column, schema
+    version 3, root manifest files without ``workdir``."""
+    with closing(sqlite3.connect(store / "catalog.sqlite")) as conn:
+        conn.execute("ALTER TABLE roots DROP COLUMN workdir")
+        conn.execute("UPDATE meta SET value='3' WHERE name='schema_version'")
+        conn.commit()
+    for manifest in (store / "roots").glob("*.json"):
+        doc = json.loads(manifest.read_text())
+        del doc["workdir"]
+        manifest.write_text(json.dumps(doc))
+
+
+def _schema_version(store: Path) -> str:
+    with closing(sqlite3.connect(store / "catalog.sqlite")) as conn:
+        return str(conn.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone()[0])
+
+
+def test_a_root_without_a_recorded_folder_is_exported_as_before(
+    encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Kaldi root a schema-3 store holds (no folder recorded). Read-only (a read-only mount)
+    it is read as it is: stats and the export work, the catalog stays at 3 (a schema bump
+    refused every read-only open, a FragmentCatalog's too, until a writer upgraded it). Where
+    writable, verify migrates it to 4 (its root's folder ``""``) and finds it clean: the
+    ``roots.workdir`` column is not required of a catalog (a 3 is sound, not damaged), and its
+    manifest file, without the field, agrees with the row. Its data is read from the working
+    directory as before: from the build's, the rewritten clip's item is left out; from
+    another, every item is unchecked and exported as built, with the line that says so."""
+    monkeypatch.chdir(tmp_path)
+    clips = _aged_clips(tmp_path, 3)
+    data = _manifests(tmp_path, clips)
+    bake(data["kaldi"], encoder_file, store_dir)
+    _as_schema_3(store_dir)
+    _same_size_other_bytes(clips[1])
+
+    monkeypatch.setenv("FEATBAKE_READ_ONLY", "1")
+    assert invoke("stats", "--cache", store_dir).returncode == 0
+    r = _export(store_dir, tmp_path / "k.parquet")
+    assert r.returncode == 0, printed(r)
+    assert _counts(r) == (2, 1, 0), printed(r)
+    assert _schema_version(store_dir) == "3"
+    monkeypatch.delenv("FEATBAKE_READ_ONLY")
+
+    v = invoke("verify", "--cache", store_dir)
+    assert v.returncode == 0, printed(v)
+    assert _schema_version(store_dir) == str(SCHEMA_VERSION)
+    assert _only_root(store_dir).workdir == ""
+    r = _export(store_dir, tmp_path / "k.parquet", "--overwrite")
+    assert r.returncode == 0 and _counts(r) == (2, 1, 0), printed(r)
+
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    r = _export(store_dir, tmp_path / "k.parquet", "--overwrite")
+    assert r.returncode == 0, printed(r)
+    assert _counts(r) == (3, 0, 3), printed(r)
+    assert "cannot be read from its data" in r.stderr, printed(r)
+
+
+# == r15p.4: the record survives the catalog's loss ===============================================
+def test_a_catalog_rebuilt_from_root_files_keeps_the_recorded_folder(
+    encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The root's manifest file carries the folder too: a catalog lost and rebuilt by
+    ``verify --repair`` from the files still exports from another directory, checked."""
+    monkeypatch.chdir(tmp_path)
+    clips = _aged_clips(tmp_path, 3)
+    data = _manifests(tmp_path, clips)
+    bake(data["kaldi"], encoder_file, store_dir)
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{store_dir / 'catalog.sqlite'}{suffix}").unlink(missing_ok=True)
+    v = invoke("verify", "--repair", "--cache", store_dir)
+    assert "repair restored 1 roots from their manifest files" in v.stdout, printed(v)
+    assert _only_root(store_dir).workdir == str(tmp_path)
+    _same_size_other_bytes(clips[2])
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    r = _export(store_dir, tmp_path / "k.parquet")
+    assert r.returncode == 0 and _counts(r) == (2, 1, 0), printed(r)
+
+
+# == r15p.5: `featbake build` run where the paths are, export run elsewhere =======================
+def test_the_cli_build_from_the_recipe_folder_and_export_from_elsewhere(
+    encoder_file: Path, tmp_path: Path
+) -> None:
+    """End to end, two processes: ``featbake build --data kaldi`` run in the folder its
+    ``wav.scp`` is relative to (``--data`` and ``--cache`` relative too), one clip rewritten,
+    ``featbake export`` run from another folder: the rewritten clip's utterance is left out,
+    the others checked and exported with their texts. ``featbake roots`` shows the folder."""
+    clips = _aged_clips(tmp_path, 3)
+    _manifests(tmp_path, clips)
+    built = run_cli("build", "-e", encoder_file, "-d", "kaldi", "--cache", "store", "--workers",
+                    "0", cwd=tmp_path)  # fmt: skip
+    assert built.returncode == 0, built.stdout + built.stderr
+    listed = invoke("roots", "--cache", tmp_path / "store", "--json")
+    assert [r["workdir"] for r in json.loads(listed.stdout)] == [str(tmp_path)], printed(listed)
+    assert f"workdir  {tmp_path}" in invoke("roots", "--cache", tmp_path / "store").stdout
+    _same_size_other_bytes(clips[0])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = run_cli("export", "--format", "parquet", tmp_path / "k.parquet", "--cache",
+                tmp_path / "store", "--json", cwd=elsewhere)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _counts(r) == (2, 1, 0), r.stdout + r.stderr
+    table = pq.read_table(tmp_path / "k.parquet").to_pylist()
+    assert [(t["id"], t["text"]) for t in table] == [("s1", "words 1"), ("s2", "words 2")]
+
+
+# == r15p.6: a dataset over a Kaldi folder made from another directory =============================
+def test_a_kaldi_dataset_from_another_directory_serves_features_of_the_bytes_it_names(
+    encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dataset takes a Kaldi folder's relative paths from the working directory, as Kaldi
+    and lhotse do (not from the root's record: the caller's process reads the data now). Built
+    from ``tmp_path``, clip 1 rewritten since; the dataset made from a folder that holds
+    another file at clip 0's relative path and nothing at the others'. Nothing served is the
+    features of bytes other than those its key names: row 0 is the features of the file it
+    names from here (a miss, encoded live), rows 1 and 2, whose files are not there from here,
+    are served as built (as a file deleted since its build is), row 1 the features of its old
+    bytes."""
+    from featbake.serve.dataset import CachedFeatureDataset
+
+    monkeypatch.chdir(tmp_path)
+    clips = _aged_clips(tmp_path, 3)
+    kaldi = tmp_path / "kaldi"
+    kaldi.mkdir()
+    rel = [os.path.relpath(c, tmp_path) for c in clips]
+    (kaldi / "wav.scp").write_text("".join(f"r{i} {p}\n" for i, p in enumerate(rel)))
+    bake(kaldi, encoder_file, store_dir)
+    old = tmp_path / "old1.wav"
+    shutil.copy2(clips[1], old)
+    _same_size_other_bytes(clips[1])
+    elsewhere = tmp_path / "elsewhere"
+    other = elsewhere / rel[0]
+    other.parent.mkdir(parents=True)
+    audio, rate = soundfile.read(clips[2], dtype="float32")
+    soundfile.write(other, audio[::-1].copy(), rate)
+    monkeypatch.chdir(elsewhere)
+    ds = CachedFeatureDataset(kaldi, encoder_file, cache=store_dir)
+    live = Live()
+    assert [ds.item_id(i) for i in range(len(ds))] == ["r0", "r1", "r2"]
+    torch.testing.assert_close(ds[0], live(encoder_file, other))
+    torch.testing.assert_close(ds[1], live(encoder_file, old))
+    torch.testing.assert_close(ds[2], live(encoder_file, clips[2]))
+
+
+# == r15p.7: an engine's worker, whose working directory is not the driver's ======================
+def test_an_engines_worker_opens_a_kaldi_folder_from_the_drivers_folder(
+    encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build through an engine sends its worker the root (``EngineJob.root``) with the
+    folder the driver took the relative paths from; the worker, run from another directory
+    (a node's own), opens the data with it rather than its own, and encodes the rows as the
+    driver keyed them."""
+    from featbake.bake.pipeline import PartEncoder, build
+    from tests.bake.test_engines import InProcess
+
+    opened: list[str] = []
+
+    class Elsewhere(InProcess):
+        def encode(self, job, items, progress):
+            with monkeypatch.context() as m:
+                m.chdir(tmp_path / "elsewhere")
+                worker = PartEncoder(job)
+                opened.append(worker.bake.place.workdir)
+                self.items += items
+                return worker.encode(items)
+
+    monkeypatch.chdir(tmp_path)
+    clips = _aged_clips(tmp_path, 3)
+    kaldi = tmp_path / "kaldi"
+    kaldi.mkdir()
+    rel = [os.path.relpath(c, tmp_path) for c in clips]
+    (kaldi / "wav.scp").write_text("".join(f"r{i} {p}\n" for i, p in enumerate(rel)))
+    (tmp_path / "elsewhere").mkdir()
+    engine = Elsewhere()
+    report = build(kaldi, encoder_file, cache=store_dir, engine=engine)  # type: ignore[arg-type]
+    assert (report.failed, report.encoded) == ([], 3), report.failed
+    assert opened == [str(tmp_path)]
+    assert _only_root(store_dir).workdir == str(tmp_path)
+    live = Live()
+    got = stored_features(store_dir, report.root)
+    for i, clip in enumerate(clips):
+        torch.testing.assert_close(got[f"r{i}"][""], live(encoder_file, clip))
