@@ -921,7 +921,7 @@ def _layouts_text(layouts: dict[str, str]) -> str:
 
 def _export_layers(text: str | None) -> tuple[int, ...] | None:
     """``--layers`` as layer numbers (``all``, or none given: every stored part)."""
-    from featbake.encode.outputs import parse_layers
+    from featbake.encode.naming import parse_layers
 
     if text is None:
         return None

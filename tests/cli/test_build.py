@@ -892,6 +892,59 @@ def test_a_missing_encoder_folder_is_named_before_the_data(tmp_path: Path) -> No
     assert not (tmp_path / "c" / "catalog.sqlite").exists()
 
 
+#: Mistakes a build checks before its encoder, each with the one line it gives.
+CHECKED_BEFORE_THE_ENCODER = {
+    "--batching x": "--batching must be auto, padded or exact",
+    "--layers x": "--layers takes whole numbers",
+    "--crop 3": "image options (--crop) apply to image inputs",
+    "--max-tokens 3": "text options (--max-tokens",
+    "--engine y": "--engine must be local or ray",
+    "--views hflip --workers -1": "--views hflip applies to image inputs",
+    "--workers -1 --threads 999": "--workers must be 0 or more",
+    "--shard-size 0": "--shard-size must be positive",
+    "--seal-every 0": "--seal-every must be a positive",
+}
+
+#: A fresh interpreter running a command (its arguments after ``-c``), then saying which of
+#: torch and transformers it imported.
+COMMAND_THEN_MODULES = """
+import sys
+from featbake.cli.main import main
+try:
+    main(sys.argv[1:])
+finally:
+    print("imported:", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+
+
+def test_a_missing_encoder_is_named_without_torch_after_the_checks_that_come_first(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """`featbake build --encoder missing.pt` imported torch and the build's modules (seconds of
+    CPU) before saying the encoder is missing. The checks a build makes before the encoder's
+    now need no torch and run first, in their order: a command with two mistakes names the
+    same one for a missing encoder as for one that is there."""
+    clips = tmp_path / "clips"
+    write_audio_folder(clips, 1)
+    missing = tmp_path / "missing.pt"
+    args = ["build", "--encoder", str(missing), "--data", str(clips), "--cache",
+            str(tmp_path / "c")]  # fmt: skip
+    ran = subprocess.run([sys.executable, "-c", COMMAND_THEN_MODULES, *args],
+                         capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"},
+                         timeout=120)  # fmt: skip
+    assert ran.returncode == 4, ran.stderr
+    lines = [line for line in ran.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"encoder {missing} not found" in lines[0], lines
+    assert ran.stdout.strip() == "imported: []", ran.stdout
+    for options, said in CHECKED_BEFORE_THE_ENCODER.items():
+        for encoder in (missing, encoder_file):
+            res = invoke(*args[:2], encoder, *args[3:], *options.split())
+            assert res.returncode == 2, (options, encoder, res.stderr)
+            lines = [line for line in res.stderr.splitlines() if line.strip()]
+            assert len(lines) == 1 and said in lines[0], (options, encoder, lines)
+    assert not (tmp_path / "c").exists()
+
+
 def _exit_codes(command: str) -> str:
     res = invoke(*command.split(), "--help")
     assert res.returncode == 0, res.stderr
