@@ -32,7 +32,12 @@ from featbake.errors import EncoderLoadError
 from featbake.recipe import Recipe
 from featbake.testing import TinyConvEncoder, write_audio_folder, write_image_folder
 from tests.conftest import REPO, invoke, live_features, run_cli
-from tests.helpers import assert_store_consistent, can_mount_privately, stored_features
+from tests.helpers import (
+    COMMAND_THEN_MODULES,
+    assert_store_consistent,
+    can_mount_privately,
+    stored_features,
+)
 
 # An import-path encoder that is TinyConvEncoder(seed=0) but slow, and logs each call, so a test
 # can interrupt a build at a known point. Sleep and log come from the environment: not in the key.
@@ -904,17 +909,6 @@ CHECKED_BEFORE_THE_ENCODER = {
     "--shard-size 0": "--shard-size must be positive",
     "--seal-every 0": "--seal-every must be a positive",
 }
-
-#: A fresh interpreter running a command (its arguments after ``-c``), then saying which of
-#: torch and transformers it imported.
-COMMAND_THEN_MODULES = """
-import sys
-from featbake.cli.main import main
-try:
-    main(sys.argv[1:])
-finally:
-    print("imported:", sorted(m for m in ("torch", "transformers") if m in sys.modules))
-"""
 
 
 def test_a_missing_encoder_is_named_without_torch_after_the_checks_that_come_first(
