@@ -99,7 +99,7 @@ def bare_loop(data: Path, folder: Path, workers: int) -> float:
     """Pillow decode + the transform in a DataLoader, then the model; store nothing."""
     import transformers
 
-    from featbake.encode.hf import image_recipe_for_folder
+    from featbake.encode.hf_folders import image_recipe_for_folder
 
     t0 = time.perf_counter()
     model = transformers.AutoModel.from_pretrained(str(folder), dtype=torch.float32).eval()

@@ -4,7 +4,7 @@ Loaded only by ``make hunt`` (``-p benchmarks.hunt_plugin``); benchmarks/ is out
 paths, so ``make test`` never imports it. In every pytest process it (and the children those
 fork) runs in:
 
-- 16 CPUs: ``featbake.device.process_cpus``, ``os.cpu_count`` and ``os.sched_getaffinity``
+- 16 CPUs: ``featbake.cpus.process_cpus``, ``os.cpu_count`` and ``os.sched_getaffinity``
   report :data:`CPUS`, so a 2-core machine takes the paths a big node does (a build's forked
   decode workers, wide reads, pools sized by the CPU count). Spawned children and CLI
   subprocesses see the machine's own CPUs.
@@ -33,7 +33,7 @@ GC_THRESHOLD = (60, 5, 5)
 
 
 def sixteen_cpus() -> int:
-    """What ``featbake.device.process_cpus`` and ``os.cpu_count`` say while hunting."""
+    """What ``featbake.cpus.process_cpus`` and ``os.cpu_count`` say while hunting."""
     return CPUS
 
 
@@ -45,9 +45,9 @@ def sixteen_cpu_mask(pid: int) -> set[int]:
 def report_many_cpus() -> None:
     """Patch the three CPU counts here, and every featbake module that imported
     ``process_cpus`` by name; modules imported later take the patched one."""
-    import featbake.device
+    import featbake.cpus  # where it is defined; no torch (featbake.device imports it by name)
 
-    real = featbake.device.process_cpus
+    real = featbake.cpus.process_cpus
     os.cpu_count = sixteen_cpus
     if hasattr(os, "sched_getaffinity"):
         os.sched_getaffinity = sixteen_cpu_mask

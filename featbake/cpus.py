@@ -1,14 +1,17 @@
-"""How many CPUs a build may use, and how to split them between decoding and encoding (pure).
+"""How many CPUs a build may use, and how to split them between decoding and encoding.
 
-The reading of ``/sys/fs/cgroup`` and the affinity mask lives in :mod:`featbake.device`; the
-rules live here, so they are tested over plain values.
+The rules are pure functions, tested over plain values; :func:`process_cpus` reads the affinity
+mask and ``/sys/fs/cgroup`` for them (without torch: a command checks ``--workers`` and
+``--threads`` against it before torch is imported).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Collection
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 #: More decode workers than this only adds start-up time and memory.
 MAX_AUTO_WORKERS = 8
@@ -120,3 +123,50 @@ def bake_threads(
         return BakeThreads(min(MAX_AUTO_WORKERS, cpus - 1), threads)
     chosen = 0 if cpus <= 2 else min(MAX_AUTO_WORKERS, max(1, cpus // 4))
     return BakeThreads(chosen, threads)
+
+
+# -- this process ------------------------------------------------------------------------------
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_cpu_limit(root: str | os.PathLike[str] = CGROUP_ROOT, own: str | None = None) -> float:
+    """This process's cgroup CPU quota in CPUs (``inf``: none), the tightest of v2 and v1 files.
+
+    Args:
+        root: where the cgroup filesystem is mounted (tests pass a folder of fake files).
+        own: this process's cgroup path (default: read from ``/proc/self/cgroup``).
+
+    Example:
+        >>> cgroup_cpu_limit("/nonexistent", own="/")
+        inf
+    """
+    root = Path(root)
+    own = _own_cgroup() if own is None else own
+    folders = [root] + ([root / own.strip("/")] if own.strip("/") else [])
+    limits = [parse_cpu_max(_read(d / "cpu.max", "max")) for d in folders]
+    v1 = root / "cpu"
+    limits.append(parse_cfs_quota(_read(v1 / "cpu.cfs_quota_us"), _read(v1 / "cpu.cfs_period_us")))
+    return min(limits)
+
+
+def _read(path: Path, missing: str = "") -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return missing
+
+
+def _own_cgroup() -> str:
+    for line in _read(Path("/proc/self/cgroup")).splitlines():
+        if line.startswith("0::"):  # the cgroup v2 unified hierarchy
+            return line[3:].strip()
+    return ""
+
+
+def process_cpus() -> int:
+    """CPUs this process may keep busy: affinity mask and cgroup quota, not ``os.cpu_count()``."""
+    if hasattr(os, "sched_getaffinity"):
+        affinity: Any = os.sched_getaffinity(0)
+    else:  # macOS, Windows
+        affinity = range(os.cpu_count() or 1)
+    return usable_cpus(affinity, cgroup_cpu_limit())

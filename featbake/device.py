@@ -14,12 +14,11 @@ import functools
 import os
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from featbake.cpus import encoder_threads, parse_cfs_quota, parse_cpu_max, usable_cpus
+from featbake.cpus import cgroup_cpu_limit, encoder_threads, process_cpus
 from featbake.errors import ConfigError
 
 __all__ = [
@@ -318,53 +317,6 @@ def check_device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device} asked for CUDA, but no CUDA device is available here")
     return dev
-
-
-# -- CPUs --------------------------------------------------------------------------------------
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-def cgroup_cpu_limit(root: str | os.PathLike[str] = CGROUP_ROOT, own: str | None = None) -> float:
-    """This process's cgroup CPU quota in CPUs (``inf``: none), the tightest of v2 and v1 files.
-
-    Args:
-        root: where the cgroup filesystem is mounted (tests pass a folder of fake files).
-        own: this process's cgroup path (default: read from ``/proc/self/cgroup``).
-
-    Example:
-        >>> cgroup_cpu_limit("/nonexistent", own="/")
-        inf
-    """
-    root = Path(root)
-    own = _own_cgroup() if own is None else own
-    folders = [root] + ([root / own.strip("/")] if own.strip("/") else [])
-    limits = [parse_cpu_max(_read(d / "cpu.max", "max")) for d in folders]
-    v1 = root / "cpu"
-    limits.append(parse_cfs_quota(_read(v1 / "cpu.cfs_quota_us"), _read(v1 / "cpu.cfs_period_us")))
-    return min(limits)
-
-
-def _read(path: Path, missing: str = "") -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return missing
-
-
-def _own_cgroup() -> str:
-    for line in _read(Path("/proc/self/cgroup")).splitlines():
-        if line.startswith("0::"):  # the cgroup v2 unified hierarchy
-            return line[3:].strip()
-    return ""
-
-
-def process_cpus() -> int:
-    """CPUs this process may keep busy: affinity mask and cgroup quota, not ``os.cpu_count()``."""
-    if hasattr(os, "sched_getaffinity"):
-        affinity: Any = os.sched_getaffinity(0)
-    else:  # macOS, Windows
-        affinity = range(os.cpu_count() or 1)
-    return usable_cpus(affinity, cgroup_cpu_limit())
 
 
 #: Environment variables that set torch's intra-op thread count at its start.

@@ -115,6 +115,18 @@ def printed(r: Any) -> str:
     return (r.stdout + r.stderr).strip()
 
 
+#: A fresh interpreter running a ``featbake`` command (its arguments after ``-c``), then printing
+#: which of torch and transformers it imported (``imported: [...]`` on stdout).
+COMMAND_THEN_MODULES = """
+import sys
+from featbake.cli.main import main
+try:
+    main(sys.argv[1:])
+finally:
+    print("imported:", sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+
+
 def age(path: Path, seconds: float) -> None:
     """Make a file look ``seconds`` old."""
     st = path.stat()

@@ -256,15 +256,21 @@ def test_gpu_wheels_bring_each_dependency_the_gpu_machine_lacks() -> None:
 
 def test_the_hunt_plugin_loads_and_reports_sixteen_cpus(tmp_path: Path) -> None:
     """`make hunt`'s plugin, loaded as the Makefile loads it, in a pytest run of its own: the
-    test it runs sees 16 CPUs everywhere featbake asks and the collector's hunting threshold."""
+    test it runs sees 16 CPUs everywhere featbake asks and the collector's hunting threshold.
+    featbake asks ``featbake.cpus.process_cpus`` (``featbake.device`` and every other module
+    import it by name after the plugin patched it); the probe imports no torch."""
     import subprocess
 
     probe = tmp_path / "test_probe.py"
     probe.write_text(
         "import gc, os\n"
-        "import featbake.device\n"
+        "import sys\n"
+        "import featbake.cpus\n"
+        "from featbake.cpus import process_cpus\n"
         "def test_probe():\n"
-        "    assert featbake.device.process_cpus() == 16 and os.cpu_count() == 16\n"
+        "    assert featbake.cpus.process_cpus() == 16 and os.cpu_count() == 16\n"
+        "    assert process_cpus() == 16  # a module that imports it by name\n"
+        "    assert 'torch' not in sys.modules\n"
         "    assert len(os.sched_getaffinity(0)) == 16\n"
         "    assert gc.get_threshold() == (60, 5, 5)\n"
     )

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from featbake.encode.encoders import encoder_not_found
-from featbake.encode.loaders import is_import_path
+from featbake.encode.naming import encoder_not_found, is_import_path
 from featbake.errors import ConfigError
+from featbake.image_recipe import View
+
+#: The view every build stores (``--views`` adds others).
+ORIGINAL_VIEW = View.ORIGINAL
 
 #: ``batching`` choices (the values of :class:`featbake.bake.batching.Batching`).
 BATCHING_CHOICES = ("auto", "padded", "exact")
@@ -127,6 +131,35 @@ def _check_threads(threads: object, cpus: int) -> None:
             f"CPU, {cpus} here), got {threads!r}; leave it unset to keep torch's own count "
             "(torch.set_num_threads or OMP_NUM_THREADS)"
         )
+
+
+def check_views(views: Sequence[str], source: str) -> None:
+    """Refuse a view other than the original for inputs that are not images (``source``: the
+    recipe's, resolved against the encoder)."""
+    if tuple(views) != (ORIGINAL_VIEW,) and source != "image":
+        raise ConfigError(
+            f"--views {','.join(v for v in views if v != ORIGINAL_VIEW)} applies to image "
+            f"inputs, not {source}; add --source image or use a vision model folder"
+        )
+
+
+def refuse_a_missing_encoder(
+    spec: str, source: str, views: Sequence[str], args: BuildArguments, cpus: int
+) -> None:
+    """Raise what a build of a missing encoder path raises first, before torch is imported.
+
+    A path that is not there (no import path, not empty) fails the build at
+    :func:`check_encoder_found`; the checks a build makes before it run here first, in the
+    same order (``--views`` for a recipe's ``source``, as :func:`featbake.bake.views.build_views`
+    checks it: a missing path resolves no folder's recipe; then :func:`check_build_arguments`),
+    so a command with two mistakes names the same one as before, and neither needs torch
+    (seconds of CPU before a one-line answer). Any other encoder returns: the build checks it.
+    """
+    if not spec.strip() or is_import_path(spec) or os.path.exists(spec):
+        return
+    check_views(views, source)
+    check_build_arguments(args, cpus)
+    check_encoder_found(spec)
 
 
 def check_encoder_found(spec: object) -> None:

@@ -55,7 +55,7 @@ from featbake.encode.fingerprints import (
     digest_here,
     encoder_fingerprint,
 )
-from featbake.encode.hf import check_recipe_supported, recipe_for_encoder
+from featbake.encode.hf import HF, check_recipe_supported, is_hf_folder, recipe_for_encoder
 from featbake.encode.inputs import (
     Inputs,
     carried_values,
@@ -472,9 +472,11 @@ class BuildEncoder:
     A rebuild that finds every feature stored encodes nothing, and needs of the encoder only
     its key: a TorchScript or ``.pt2`` file's fingerprint is its bytes' digest, remembered in
     the hash cache against the file's stat, so it is known unloaded (loading a large
-    checkpoint took longer than the rest of such a rebuild; issue 31 item 4). An import path,
-    a pickle or a Hugging Face folder is identified by its code and modules too: it is loaded
-    at once, as before.
+    checkpoint took longer than the rest of such a rebuild; issue 31 item 4). A Hugging Face
+    folder's fingerprint is remembered against its files' stats and what builds its model
+    (:class:`featbake.encode.fingerprints.FolderState`): a rebuild of an unchanged folder
+    imports no transformers. An import path or a pickle is identified by its code too: it is
+    loaded at once, as before.
     """
 
     spec: str | os.PathLike[str] | LoadedEncoder | torch.nn.Module
@@ -509,7 +511,8 @@ class BuildEncoder:
         if path is None or fp is None:
             enc = loaded_encoder(*args)
             return cls(*args, enc.label, enc.kind, loaded=enc)
-        return cls(*args, str(Path(path).resolve()), detect_kind(Path(path)), known_fp=fp)
+        kind = HF if os.path.isdir(path) else detect_kind(Path(path))
+        return cls(*args, str(Path(path).resolve()), kind, known_fp=fp)
 
     def fingerprint(self, catalog: HashCache) -> str:
         """``encoder_fp``: from the hash cache, or from the loaded encoder (and cached there)."""
@@ -536,12 +539,12 @@ def unloaded_file(
     spec: str | os.PathLike[str] | LoadedEncoder | torch.nn.Module,
     weights: str | os.PathLike[str] | None,
 ) -> str | None:
-    """The file an encoder can be keyed by unloaded (TorchScript or ``.pt2``; a pickle's key
-    needs its class's code), else None."""
+    """The file or folder an encoder can be keyed by unloaded (TorchScript or ``.pt2``, a
+    Hugging Face folder; a pickle's key needs its class's code), else None."""
     if weights is not None or not isinstance(spec, (str, os.PathLike)):
         return None
     path = os.fspath(spec)
-    if is_import_path(path) or not os.path.isfile(path):
+    if is_import_path(path) or not (os.path.isfile(path) or is_hf_folder(path)):
         return None
     return path
 

@@ -13,10 +13,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from featbake.bake.arguments import check_views
 from featbake.bake.pipeline import build
 from featbake.bake.report import BuildReport
 from featbake.encode.hf import recipe_for_encoder
-from featbake.errors import ConfigError
 from featbake.image_recipe import View, view_steps
 from featbake.recipe import Recipe
 
@@ -44,11 +44,7 @@ def build_views(
     if tuple(views) == (View.ORIGINAL,):
         return [build(data, encoder, recipe=recipe, **options)]
     resolved = recipe_for_encoder(encoder, recipe or Recipe())
-    if resolved.source != "image":
-        raise ConfigError(
-            f"--views {','.join(v for v in views if v is not View.ORIGINAL)} applies to image "
-            f"inputs, not {resolved.source}; add --source image or use a vision model folder"
-        )
+    check_views(views, resolved.source)
     steps = resolved.image_steps
     return [
         build(data, encoder, recipe=resolved.replace(image=view_steps(steps, v)), **options)

@@ -223,8 +223,8 @@ def recipe_of(params: Mapping[str, Any], encoder: str) -> Recipe:
     Raises:
         ConfigError: both --layer and --layers, or an option the recipe refuses.
     """
-    from featbake.encode.hf import TEXT_OPTIONS, image_steps_for, text_steps_for
-    from featbake.encode.outputs import parse_layers
+    from featbake.encode.hf_folders import TEXT_OPTIONS, image_steps_for, text_steps_for
+    from featbake.encode.naming import parse_layers
     from featbake.image_recipe import IMAGE_OPTIONS, parse_image_options
     from featbake.recipe import Recipe
 
@@ -411,16 +411,26 @@ def build(
     listed at the end, and the exit code is then 3.
     """
     note_inert_options(ctx, cache)
-    from featbake.bake.batching import Batching
-    from featbake.bake.views import build_views
+    from featbake.bake.arguments import BATCHING_CHOICES, BuildArguments, refuse_a_missing_encoder
+    from featbake.cpus import process_cpus
     from featbake.image_recipe import parse_views
     from featbake.store.open import open_store
 
-    end_startup()  # torch and the build's modules are imported: the collector resumes
-    if batching not in set(Batching):
+    # The options' checks, in the order they always ran, need no torch; a missing encoder
+    # path is named after them, before the build's modules (torch) are imported.
+    if batching not in BATCHING_CHOICES:
         raise ConfigError(f"--batching must be auto, padded or exact, got {batching!r}")
     recipe = recipe_of(ctx.params, encoder)
     ray, workers, device = _ray_engine(engine, workers, gpus_per_worker, ray_address, device)
+    chosen_views = parse_views(views)
+    store = open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
+    shard_bytes = _shard_bytes(shard_size)
+    sizes = BuildArguments(batching, batch_size, workers, shard_bytes, batch_seconds, None,
+                           encoder, threads, seal_every)  # fmt: skip
+    refuse_a_missing_encoder(encoder, recipe.source, chosen_views, sizes, process_cpus())
+    from featbake.bake.views import build_views
+
+    end_startup()  # torch and the build's modules are imported: the collector resumes
     bar = progress_bar()
     # Under torchrun only rank 0 draws a bar (it shows its own part), not N bars interleaved.
     on_progress = tick_bar(bar, {}) if os.environ.get("RANK", "0") == "0" else None
@@ -428,8 +438,8 @@ def build(
         reports = build_views(
             data,
             encoder,
-            views=parse_views(views),
-            cache=open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size),
+            views=chosen_views,
+            cache=store,
             recipe=recipe,
             weights=weights,
             trust_pickle=trust_pickle,
@@ -437,7 +447,7 @@ def build(
             workers=workers,
             device=device,
             strict=strict,
-            shard_bytes=_shard_bytes(shard_size),
+            shard_bytes=shard_bytes,
             progress=on_progress,
             allow_nonfinite=allow_nonfinite,
             batching=batching,

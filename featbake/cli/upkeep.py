@@ -879,11 +879,12 @@ def export(
     """
     note_inert_options(ctx, cache)
     from featbake.errors import ConfigError, StoreError
-    from featbake.export.source import drift_lines
     from featbake.store.open import open_store
 
-    if fmt not in EXPORT_FORMATS:
+    if fmt not in EXPORT_FORMATS:  # before export/source.py's import (torch): a typo is answered
         raise ConfigError(f"unknown --format {fmt!r}; featbake exports {', '.join(EXPORT_FORMATS)}")
+    from featbake.export.source import drift_lines
+
     exporter = _exporter(fmt, compression)
     chosen = _export_layers(layers)
     store = open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
@@ -922,7 +923,7 @@ def _layouts_text(layouts: dict[str, str]) -> str:
 
 def _export_layers(text: str | None) -> tuple[int, ...] | None:
     """``--layers`` as layer numbers (``all``, or none given: every stored part)."""
-    from featbake.encode.outputs import parse_layers
+    from featbake.encode.naming import parse_layers
 
     if text is None:
         return None

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -34,6 +34,9 @@ from featbake.encode.identity import (
 from featbake.errors import EncodeError, EncoderLoadError, FeatbakeError
 from featbake.keys import module_fingerprint
 from featbake.store.hash_cache import FileStat
+
+if TYPE_CHECKING:
+    from featbake.encode.fingerprints import FolderState
 
 
 # == failures ======================================================================================
@@ -329,7 +332,11 @@ class LoadedEncoder:
         whole_parts: outputs of a lengths-protocol encoder with one row per input, not one per
             frame (a text model's ``pooled`` ``[B, D]``): kept whole when rows are trimmed.
         loaded_from: the stat of the file its weights were read from, before the read (None:
-            no file, or an in-process module).
+            no file, or an in-process module); for a Hugging Face folder, that of the file
+            of ``folder_state`` changed last.
+        folder_state: a Hugging Face folder's state before its load, set only when the load
+            left it unchanged: its fingerprint is remembered against it (see
+            :class:`featbake.encode.fingerprints.FolderState`).
     """
 
     module: Any
@@ -343,6 +350,7 @@ class LoadedEncoder:
     absent_outputs: dict[str, str] = field(default_factory=dict)
     whole_parts: frozenset[str] = frozenset()
     loaded_from: LoadedFrom | None = None
+    folder_state: FolderState | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -386,15 +394,6 @@ class LoadedEncoder:
             ) from e
         refuse_complex(result, self.label)
         return result
-
-
-def encoder_not_found(spec: str) -> EncoderLoadError:
-    """The error for an encoder path that names nothing, with what ``--encoder`` takes."""
-    return EncoderLoadError(
-        f"encoder {spec} not found; give a TorchScript (.pt), torch.export (.pt2) file, a "
-        "Hugging Face model folder (config.json + weights) or an import path like "
-        "mypkg.models:build_encoder"
-    )
 
 
 def _zip_names(path: Path) -> list[str]:

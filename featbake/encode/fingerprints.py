@@ -10,7 +10,9 @@ first use; their callers have loaded an encoder, or are about to.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -18,12 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
-from featbake.keys import sha256_file, sha256_hex
+from featbake.keys import canonical_json, sha256_file, sha256_hex
 from featbake.progress import Progress
 from featbake.store.byteplace import BytePlace, Digest, bytes_at
 from featbake.store.containers import Holder, ReadBack
-from featbake.store.hash_cache import ENCODER_FP_PREFIX, FileStat, HashCache, HashRow
+from featbake.store.hash_cache import (
+    ENCODER_FP_PREFIX,
+    FileStat,
+    HashCache,
+    HashRow,
+    racy_window_ns,
+)
 from featbake.threadpool import map_in_threads
+from featbake.version import __version__
 
 if TYPE_CHECKING:
     from featbake.encode.encoders import LoadedEncoder
@@ -532,6 +541,72 @@ def encoder_cache_id(encoder: LoadedEncoder, weights: str | None) -> tuple[str, 
     return None
 
 
+#: featbake's own modules whose code computes a Hugging Face folder's fingerprint (the adapter,
+#: the module's fingerprint and what enters it): a change to any of them is a change of key.
+FOLDER_KEYING_CODE = ("encode/hf.py", "encode/encoders.py", "encode/identity.py", "keys.py")
+#: The libraries whose code builds a folder's model (its class, its config's defaults, buffers it
+#: computes at init) from the folder's files.
+FOLDER_LIBRARIES = ("torch", "transformers")
+
+
+class FolderState(NamedTuple):
+    """A Hugging Face folder as its encoder's fingerprint depends on it, read without loading.
+
+    ``cache_id`` names every top-level entry of the folder with its :class:`FileStat` (what
+    ``from_pretrained`` reads from a local folder: config, weights, preprocessor), the versions
+    of Python, torch and transformers, and the bytes of featbake's keying code
+    (:data:`FOLDER_KEYING_CODE`): while none of them changes, loading the folder gives the same
+    module and so the same fingerprint. ``newest`` is the entry changed last (by the racy rule's
+    reckoning): a fingerprint recorded too soon after it is not trusted (:meth:`FileStat.racy`).
+    """
+
+    cache_id: str
+    newest: FileStat
+
+    @classmethod
+    def of(cls, folder: str | os.PathLike[str]) -> FolderState | None:
+        """The folder's state now; None when it cannot be read or a library is missing (then
+        nothing is cached for it, and the load says why)."""
+        from importlib.metadata import PackageNotFoundError, version  # no library imported
+
+        try:
+            versions = [version(name) for name in FOLDER_LIBRARIES]
+            code = hashlib.sha256()
+            for rel in FOLDER_KEYING_CODE:
+                code.update(sha256_file(_PACKAGE / rel).encode())
+            where = resolve_path(folder)
+            with os.scandir(where) as listing:
+                entries = sorted((e.name, FileStat.of(e.path)) for e in listing)
+        except (PackageNotFoundError, OSError):
+            return None
+        if not entries:
+            return None
+        newest = max((st for _, st in entries), key=_trusted_from)
+        named = [sys.version, __version__, *versions, code.hexdigest(),
+                 [[name, *st] for name, st in entries]]  # fmt: skip
+        return cls(f"{ENCODER_FP_PREFIX}hf:{where}:{sha256_hex(canonical_json(named))}", newest)
+
+
+#: featbake's package folder (where :data:`FOLDER_KEYING_CODE` lies).
+_PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def _trusted_from(st: FileStat) -> int:
+    """The moment from which a hash recorded can vouch for a file of this stat."""
+    return max(st.mtime_ns, st.ctime_ns) + racy_window_ns(st.mtime_ns, st.ctime_ns)
+
+
+def cached_folder_encoder_fp(catalog: HashCache, folder: str | os.PathLike[str]) -> str | None:
+    """A Hugging Face folder's fingerprint without loading it (transformers never imported),
+    if neither its files nor what builds its model changed since it was last loaded
+    (:class:`FolderState`); else None."""
+    state = FolderState.of(folder)
+    if state is None:
+        return None
+    hit = catalog.cached_hashes([state.cache_id]).get(state.cache_id)
+    return hit.sha256 if hit and hit.stat == state.newest else None
+
+
 def file_encoder_cache_id(path: str | os.PathLike[str]) -> str:
     """The hash-cache id under which a file encoder's fingerprint is remembered."""
     return f"{ENCODER_FP_PREFIX}file:{resolve_path(path)}"
@@ -544,6 +619,8 @@ def cached_file_encoder_fp(catalog: HashCache, path: str | os.PathLike[str]) -> 
     Always None for a pickled module: its fingerprint depends on its class's source code too,
     which only loading it reveals (and the build never caches it under this file id).
     """
+    if os.path.isdir(path):
+        return cached_folder_encoder_fp(catalog, path)
     from featbake.encode.encoders import PICKLE, detect_kind  # torch: see the module's doc
 
     if detect_kind(Path(path)) == PICKLE:
@@ -565,6 +642,8 @@ def encoder_fingerprint(encoder: LoadedEncoder, catalog: HashCache, weights: str
     (:attr:`LoadedEncoder.loaded_from`): a file changed since is another version, for which
     nothing is cached (the loaded module's own fingerprint is used).
     """
+    if encoder.folder_state is not None and weights is None:
+        return _folder_fingerprint(encoder, encoder.folder_state, catalog)
     cache = encoder_cache_id(encoder, weights)
     if cache is None:
         return encoder.fingerprint
@@ -582,4 +661,16 @@ def encoder_fingerprint(encoder: LoadedEncoder, catalog: HashCache, weights: str
     fp = encoder.fingerprint
     if same:
         catalog.put_hashes([HashRow(ident, st, fp)], recorded_ns=stat_time)
+    return fp
+
+
+def _folder_fingerprint(encoder: LoadedEncoder, state: FolderState, catalog: HashCache) -> str:
+    """A Hugging Face folder's fingerprint, remembered against the folder's state before its
+    load (:attr:`LoadedEncoder.folder_state`, set only when the load left it unchanged)."""
+    fp = encoder.fingerprint
+    hit = catalog.cached_hashes([state.cache_id]).get(state.cache_id)
+    if not (hit and hit.stat == state.newest and hit.sha256 == fp):
+        assert encoder.loaded_from is not None  # set with folder_state: when it was taken
+        rows = [HashRow(state.cache_id, state.newest, fp)]
+        catalog.put_hashes(rows, recorded_ns=encoder.loaded_from.taken_ns)
     return fp

@@ -30,7 +30,6 @@ from featbake.encode.encoders import (
     LoadedEncoder,
     LoadedFrom,
     detect_kind,
-    encoder_not_found,
     from_module,
     torchscript_quietly,
 )
@@ -40,12 +39,8 @@ from featbake.encode.identity import (
     code_identity,
     script_identity,
 )
+from featbake.encode.naming import encoder_not_found, is_import_path
 from featbake.errors import ConfigError, EncoderLoadError, first_line
-
-
-def is_import_path(spec: str) -> bool:
-    mod, sep, attr = spec.partition(":")
-    return bool(sep) and bool(attr) and not os.path.exists(spec) and "/" not in mod
 
 
 def _load_torchscript(path: Path) -> tuple[Any, str]:

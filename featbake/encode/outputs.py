@@ -14,6 +14,7 @@ from featbake.encode.encoders import (
     split_lengths_result,
     trim_rows,
 )
+from featbake.encode.naming import ALL_LAYERS
 from featbake.errors import ConfigError, EncodeError
 from featbake.quantize import quantize
 from featbake.recipe import Recipe
@@ -24,30 +25,7 @@ from featbake.recipe import Recipe
 # Each selected hidden layer is stored as its own part of the feature (tensor ``<key>/layer6``), so
 # a weighted-sum probe reads all of them and a linear probe one, from the same bake. Layer 0 is
 # the input to the first transformer layer (``hidden_states[0]`` in Hugging Face's numbering).
-ALL_LAYERS = "all"
 PART_PREFIX = "layer"
-
-
-def parse_layers(text: str) -> tuple[int, ...] | str:
-    """``"6"`` -> ``(6,)``, ``"0,6,12"`` -> ``(0, 6, 12)``, ``"all"`` -> ``"all"``.
-
-    Raises:
-        ConfigError: not a comma-separated list of whole numbers or ``all``.
-
-    Example:
-        >>> parse_layers("12,0,6")
-        (0, 6, 12)
-    """
-    text = text.strip()
-    if text.lower() == ALL_LAYERS:
-        return ALL_LAYERS
-    try:
-        layers = tuple(sorted({int(t) for t in text.split(",") if t.strip()}))
-    except ValueError:
-        layers = ()
-    if not layers or min(layers) < 0:
-        raise ConfigError(f"--layers takes whole numbers >= 0 like 0,6,12 or 'all', got {text!r}")
-    return layers
 
 
 def resolve_layers(layers: tuple[int, ...] | str, num_layers: int) -> tuple[int, ...]:

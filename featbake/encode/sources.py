@@ -392,7 +392,7 @@ def load_text_tokenizer(steps: TextRecipe) -> Any:
         ConfigError: the tokenizer's files changed since the recipe was made.
         EncoderLoadError: transformers cannot read the tokenizer.
     """
-    from featbake.encode.hf import load_tokenizer, tokenizer_files_digest
+    from featbake.encode.hf_folders import load_tokenizer, tokenizer_files_digest
 
     tokenizer = load_tokenizer(steps.folder)
     if tokenizer_files_digest(steps.folder, type(tokenizer).__name__) != steps.tokenizer:

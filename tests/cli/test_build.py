@@ -32,7 +32,12 @@ from featbake.errors import EncoderLoadError
 from featbake.recipe import Recipe
 from featbake.testing import TinyConvEncoder, write_audio_folder, write_image_folder
 from tests.conftest import REPO, invoke, live_features, run_cli
-from tests.helpers import assert_store_consistent, can_mount_privately, stored_features
+from tests.helpers import (
+    COMMAND_THEN_MODULES,
+    assert_store_consistent,
+    can_mount_privately,
+    stored_features,
+)
 
 # An import-path encoder that is TinyConvEncoder(seed=0) but slow, and logs each call, so a test
 # can interrupt a build at a known point. Sleep and log come from the environment: not in the key.
@@ -890,6 +895,48 @@ def test_a_missing_encoder_folder_is_named_before_the_data(tmp_path: Path) -> No
     with pytest.raises(EncoderLoadError, match="dinov2-small not found"):
         build(images, missing, cache=tmp_path / "c", workers=0)
     assert not (tmp_path / "c" / "catalog.sqlite").exists()
+
+
+#: Mistakes a build checks before its encoder, each with the one line it gives.
+CHECKED_BEFORE_THE_ENCODER = {
+    "--batching x": "--batching must be auto, padded or exact",
+    "--layers x": "--layers takes whole numbers",
+    "--crop 3": "image options (--crop) apply to image inputs",
+    "--max-tokens 3": "text options (--max-tokens",
+    "--engine y": "--engine must be local or ray",
+    "--views hflip --workers -1": "--views hflip applies to image inputs",
+    "--workers -1 --threads 999": "--workers must be 0 or more",
+    "--shard-size 0": "--shard-size must be positive",
+    "--seal-every 0": "--seal-every must be a positive",
+}
+
+
+def test_a_missing_encoder_is_named_without_torch_after_the_checks_that_come_first(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """`featbake build --encoder missing.pt` imported torch and the build's modules (seconds of
+    CPU) before saying the encoder is missing. The checks a build makes before the encoder's
+    now need no torch and run first, in their order: a command with two mistakes names the
+    same one for a missing encoder as for one that is there."""
+    clips = tmp_path / "clips"
+    write_audio_folder(clips, 1)
+    missing = tmp_path / "missing.pt"
+    args = ["build", "--encoder", str(missing), "--data", str(clips), "--cache",
+            str(tmp_path / "c")]  # fmt: skip
+    ran = subprocess.run([sys.executable, "-c", COMMAND_THEN_MODULES, *args],
+                         capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"},
+                         timeout=120)  # fmt: skip
+    assert ran.returncode == 4, ran.stderr
+    lines = [line for line in ran.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"encoder {missing} not found" in lines[0], lines
+    assert ran.stdout.strip() == "imported: []", ran.stdout
+    for options, said in CHECKED_BEFORE_THE_ENCODER.items():
+        for encoder in (missing, encoder_file):
+            res = invoke(*args[:2], encoder, *args[3:], *options.split())
+            assert res.returncode == 2, (options, encoder, res.stderr)
+            lines = [line for line in res.stderr.splitlines() if line.strip()]
+            assert len(lines) == 1 and said in lines[0], (options, encoder, lines)
+    assert not (tmp_path / "c").exists()
 
 
 def _exit_codes(command: str) -> str:

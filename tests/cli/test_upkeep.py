@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,7 @@ import zarr
 
 from featbake.testing import TinyConvEncoder, save_torchscript
 from tests.conftest import invoke, run_cli
-from tests.helpers import Live, assert_serves, bake, shard_files
+from tests.helpers import COMMAND_THEN_MODULES, Live, assert_serves, bake, shard_files
 
 
 @pytest.fixture
@@ -353,3 +356,17 @@ def test_upkeep_commands_never_import_torch(baked: dict, store_dir: Path) -> Non
     assert done["rows_deleted"] == 4 and done["shards_written"] == 0
     assert "nothing to merge" in merge
     assert "stats" in app_help and "--grace" in gc_help and "--format" in export_help
+
+
+def test_an_unknown_export_format_is_one_line_without_torch(tmp_path: Path) -> None:
+    """`featbake export --format npy` imported the export's modules (torch, seconds of CPU)
+    before saying the format is unknown."""
+    args = ["export", "--format", "npy", str(tmp_path / "out"), "--cache", str(tmp_path / "c")]
+    ran = subprocess.run([sys.executable, "-c", COMMAND_THEN_MODULES, *args],
+                         capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"},
+                         timeout=120)  # fmt: skip
+    assert ran.returncode == 2, ran.stderr
+    lines = [line for line in ran.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "unknown --format 'npy'" in lines[0], lines
+    assert ran.stdout.strip() == "imported: []", ran.stdout
+    assert not (tmp_path / "out").exists() and not (tmp_path / "c").exists()

@@ -179,6 +179,99 @@ def test_the_fingerprint_covers_config_and_weights(tmp_path: Path) -> None:
     )
 
 
+#: A fresh interpreter that rebuilds a folder through the command, then serves its first item
+#: with ``on_miss="error"``: prints the build's report, the served feature, the modules loaded.
+REBUILD_THEN_SERVE = """
+import json, sys
+from featbake.cli.main import main
+from featbake.serve.dataset import CachedFeatureDataset
+clips, folder, store = sys.argv[1:]
+try:
+    main(["build", "--encoder", folder, "--data", clips, "--cache", store, "--workers", "0",
+          "--json"])
+except SystemExit as e:
+    assert not e.code, e.code
+ds = CachedFeatureDataset(clips, folder, cache=store, on_miss="error")
+served = {"path": ds.path(0), "feature": ds[0].tolist()}
+heavy = sorted(m for m in ("transformers", "featbake.encode.hf") if m in sys.modules)
+print(json.dumps({"served": served, "modules": heavy}))
+"""
+
+
+def test_a_rebuild_of_an_unchanged_folder_imports_no_transformers_and_keeps_its_key(
+    tmp_path: Path, clips: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A no-op rebuild of a folder loaded its model (transformers' import and the model's load
+    were most of the command's 9 s of CPU) only to fingerprint it again. The fingerprint is now
+    remembered against every file of the folder and what builds its model; a change to either
+    loads it again."""
+    import importlib.metadata
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    import featbake.encode.fingerprints as fingerprints
+    import featbake.encode.hf as hf
+    from featbake.store.catalog import Catalog
+    from featbake.store.hash_cache import RACY_NS
+    from featbake.store.layout import Layout
+
+    folder, store = save_model(tmp_path / "m"), tmp_path / "s"
+    with monkeypatch.context() as m:  # the clock of a folder saved a while before its build
+        m.setattr(hf, "time", SimpleNamespace(time_ns=lambda: time.time_ns() + 3 * RACY_NS))
+        first = build(clips, folder, cache=store, workers=0)
+    assert first.encoded == 8
+
+    ran = subprocess.run([sys.executable, "-c", REBUILD_THEN_SERVE, str(clips), str(folder),
+                          str(store)], capture_output=True, text=True, check=True)  # fmt: skip
+    lines = ran.stdout.strip().splitlines()
+    again, seen = json.loads("\n".join(lines[:-1])), json.loads(lines[-1])
+    assert (again["encoded"], again["reused"]) == (0, 8), ran.stdout
+    assert (again["root"], again["encoder_fp"]) == (first.root, first.encoder_fp)
+    assert seen["modules"] == ["featbake.encode.hf"], seen["modules"]  # no transformers
+    path = Path(seen["served"]["path"])
+    want = reference(folder, path).last_hidden_state[0]
+    assert rel_error(torch.tensor(seen["served"]["feature"]), want) < 1e-4
+
+    def cached() -> str | None:
+        with Catalog(Layout(store)) as cat:
+            return fingerprints.cached_folder_encoder_fp(cat, folder)
+
+    assert cached() == first.encoder_fp
+    with monkeypatch.context() as m:  # another transformers builds another model
+        real = importlib.metadata.version
+        m.setattr(
+            importlib.metadata, "version", lambda n: "0.0" if n == "transformers" else real(n)
+        )
+        assert cached() is None
+    with monkeypatch.context() as m:  # featbake's keying code changed
+        code = tmp_path / "code"
+        for rel in fingerprints.FOLDER_KEYING_CODE:
+            (code / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(Path(hf.__file__).parent.parent / rel, code / rel)
+        m.setattr(fingerprints, "_PACKAGE", code)
+        assert cached() == first.encoder_fp  # the same code: the same state
+        with (code / "keys.py").open("a") as f:
+            f.write("\n")
+        assert cached() is None
+    (folder / "notes.txt").write_text("a file beside the model")
+    assert cached() is None  # a new file in the folder
+    (folder / "notes.txt").unlink()
+    assert cached() == first.encoder_fp  # the same files again
+
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    state = load_file(str(weights))
+    name = next(k for k in state if k.endswith("feature_projection.projection.weight"))
+    state[name][0, 0] += 1e-3
+    save_file(state, str(weights), metadata={"format": "pt"})
+    changed = build(clips, folder, cache=store, workers=0)
+    assert changed.encoded == 8 and changed.encoder_fp != first.encoder_fp
+    assert changed.encoder_fp == load_encoder(folder).fingerprint
+
+
 def test_the_preprocessor_config_goes_into_the_recipe(tmp_path: Path) -> None:
     folder = save_model(tmp_path / "m", normalize=False, rate=8000)
     recipe = recipe_for_folder(folder, Recipe(layers="all"))
