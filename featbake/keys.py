@@ -1516,7 +1516,7 @@ class _Interpreter:
         del stack[len(stack) - popped :]
         makes = name in ("MAKE_FUNCTION", "SET_FUNCTION_ATTRIBUTE")  # a function of nested code
         callee = inputs.callee if makes else _via(inputs.callee)  # self.fns[0]: still held
-        made = inputs.made - {_SELF} if callee else inputs.made
+        made = inputs.made - {_SELF} if makes and callee else inputs.made
         in_place = name == "BINARY_OP" and "=" in op.argrepr
         if (name not in _PURE and name != "BINARY_OP") or in_place:
             self._change(inputs.alias - {_SELF}, inputs.made, names)

@@ -207,12 +207,25 @@ class _ThroughHeldList(_HeldReader):
         self.scale = self.readers[0]()
 
 
+class _ThroughSelfInAListBesideAHeldValue(_HeldReader):
+    """Self put in a list beside a value an attribute holds, then read back out of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.helper = types.SimpleNamespace(current=None)
+
+    def rewrite(self, wav: torch.Tensor) -> None:
+        pair = [self, self.helper]
+        self.scale = pair[0].scale * 1
+
+
 HELD = {
     "lambda": _ThroughHeldLambda,
     "bound-method": _ThroughHeldBoundMethod,
     "local": _ThroughHeldLocal,
     "helper-object": _ThroughHeldHelper,
     "list": _ThroughHeldList,
+    "self-in-a-list": _ThroughSelfInAListBesideAHeldValue,
 }
 
 
