@@ -207,7 +207,7 @@ def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
         for prefix, sub in module.named_modules()
         for key, value in vars(sub).items()
         if keyed_attribute(key)
-        and not derived_state(derived_attributes(type(sub)), key, value)
+        and not derived_state(module_derived(sub), key, value)
         and key not in reparametrised_attributes(sub)
         for path, tensor in contained_tensors(key, value)
     ]
@@ -301,8 +301,48 @@ def derived_attributes(cls: type) -> frozenset[str]:
     if kept is not None:
         return kept
     code = forward_code(cls)
-    _DERIVED[cls] = fresh_writes(code, cls) | recorded_attributes(code)
+    fresh, called = _fresh_reading(code, cls)
+    _CALLED[cls] = {a: frozenset(t[1] for t in ts) for a, ts in called.items()}
+    _DERIVED[cls] = fresh | recorded_attributes(code)
     return _DERIVED[cls]
+
+
+def module_derived(module: Any) -> frozenset[str]:
+    """:func:`derived_attributes` of ``module``'s class, read with what the instance holds:
+    an attribute whose writes are made by calling a callable one of its attributes holds
+    (``self.reader()``, ``self.helper.current()``) is derived state only where each such
+    attribute holds a submodule (its call is made of its inputs and its own keyed weights),
+    a tensor, a plain value, or library code holding nothing (``torch.tanh``, a partial of
+    ``F.gelu``); one holding a function of the user's, a partial or bound method holding the
+    module, or any other object (which may read the module back) keeps it keyed. The answer
+    every key, watch and glance reads."""
+    cls = type(module)
+    derived = derived_attributes(cls)
+    sources = _CALLED.get(cls)
+    if not sources:
+        return derived
+    return derived - {
+        a for a, names in sources.items() if any(_runs_users_code(module, n) for n in names)
+    }
+
+
+def _runs_users_code(module: Any, name: str) -> bool:
+    """Whether attribute ``name`` of ``module`` holds a callable that may run code of the
+    user's reading the module (see :func:`module_derived`); a submodule, parameter or buffer
+    does not."""
+    try:
+        attrs = vars(module)
+    except TypeError:
+        return True
+    for table in ("_modules", "_parameters", "_buffers"):
+        if name in (attrs.get(table) or {}):
+            return False
+    value = attrs.get(name, _MISSING)
+    if value is _MISSING:
+        value = inspect.getattr_static(type(module), name, None)
+    if value is None:
+        return False  # set later: a watch sees the change and reads it again
+    return _holds(value) or _held_function(value)
 
 
 def recorded_attributes(code: list[Any]) -> frozenset[str]:
@@ -555,6 +595,26 @@ def _guard_marks(names: Mapping[str, Any]) -> frozenset[str]:
     return frozenset(k for k in names if k.startswith((_GUARD_MARK, _GUARD_RET_MARK)))
 
 
+#: The token of the forward's inputs (its arguments): what a lazy table's guard compares the
+#: table with (``self.pe.size(0) < x.size(1)``).
+_INPUT = ("input",)
+#: Tokens a condition may compare an attribute with that make it a lazy table's guard: the
+#: inputs, an argument, a method's or function's result, a cell, another attribute.
+_COMPARED = frozenset({"input", "param", "ret", "cell", "attr"})
+
+
+def _compared(made: Iterable[Any], name: str) -> bool:
+    """Whether a condition made of ``made`` reads attribute ``name`` together with something
+    else that may change from run to run (:data:`_COMPARED`): a lazy table's guard
+    (``self.pe.size(0) < x.size(1)``). One reading it against constants and globals only
+    (``self.scale is None``) is a default's: the user's value it keeps is a setting. A private
+    attribute (bookkeeping, never keyed: :func:`keyed_attribute`) is guarded by any condition
+    reading it, as before (``if not self._hf_peft_config_loaded``)."""
+    if not keyed_attribute(name):
+        return True
+    return any(t[0] in _COMPARED and t != ("attr", name) for t in made)
+
+
 _RAISED = _Slot(frozenset({_UNKNOWN}), frozenset(), frozenset())
 _SELF_SLOT = _Slot(frozenset({_SELF}), frozenset({_SELF}), frozenset())
 
@@ -568,6 +628,22 @@ def _joined(slots: Iterable[_Slot]) -> _Slot:
         alias |= s.alias
         callee |= s.callee
     return _Slot(frozenset(made), frozenset(alias), frozenset(callee))
+
+
+#: Callee marks of a value an attribute of self holds (not a method of the class's): the
+#: attribute itself (``self.reader``), or a value reached from it (``self.helper.current``,
+#: ``self.fns[0]``). Calling one may run anything the instance holds (:func:`module_derived`).
+_HELD = ("held", "via")
+
+
+def _via(callee: Iterable[Any]) -> frozenset[Any]:
+    """The held marks of a value reached from one (:data:`_HELD`)."""
+    return frozenset(("via", c[1]) for c in callee if c[0] in _HELD)
+
+
+def _codes(callee: Iterable[Any]) -> list[Any]:
+    """The code keys among callee marks (no ``super()``, opaque or held mark)."""
+    return [c for c in callee if c[0] == "code"]
 
 
 def _key(code: Any) -> tuple[str, int]:
@@ -664,7 +740,21 @@ def fresh_writes(codes: list[Any], cls: type | None) -> frozenset[str]:
     a condition reads the attribute (a lazy table's ``if self.pe is None``). The forward's
     arguments are its inputs; another method's are what its calls pass; a nested function's,
     what the code calling it passes; a function of the user's outside the class (``cls``
-    given: the class's own code is read with its globals), what its callers pass."""
+    given: the class's own code is read with its globals), what its callers pass.
+
+    A call of a callable an attribute of self holds (``self.conv(x)``, ``self.reader()``) is
+    taken as a submodule's, made of its inputs: the class does not say what an instance
+    holds there (:func:`module_derived` reads it)."""
+    return _fresh_reading(codes, cls)[0]
+
+
+def _fresh_reading(
+    codes: list[Any], cls: type | None
+) -> tuple[frozenset[str], dict[str, frozenset[Any]]]:
+    """:func:`fresh_writes`' answer, taking a call of a callable an attribute of self holds as
+    made of its inputs (a submodule's), and for each attribute in it the callables of self's
+    attributes its writes are made of calling: ``("called", name)`` (``self.reader()``) or
+    ``("called-via", name)`` (``self.helper.current()``, ``self.fns[0](x)``)."""
     written: dict[Any, frozenset[str]] = {}
     for _ in range(_WRITE_ROUNDS):
         facts = _read_codes(codes, cls, written)
@@ -679,9 +769,16 @@ def fresh_writes(codes: list[Any], cls: type | None) -> frozenset[str]:
         # past a condition reading it (a lazy table's ``if self.pe is None``)
         old = fresh & facts.read_old - _guarded_fresh(facts, own)
         if not old or facts.written == written:
-            return frozenset(fresh - old)
+            break
         written = facts.written  # the methods' writes known now: read again with them
-    return frozenset(fresh - old)
+    result = fresh - old
+    called: dict[str, set[Any]] = {}
+    for (key, _, name), made in facts.writes.items():
+        if key in own and name in result:
+            found = _called_in(made, facts)
+            if found:
+                called.setdefault(name, set()).update(found)
+    return frozenset(result), {name: frozenset(ts) for name, ts in called.items()}
 
 
 def _guarded_fresh(facts: _Facts, own: set[Any]) -> set[str]:
@@ -695,8 +792,10 @@ def _guarded_fresh(facts: _Facts, own: set[Any]) -> set[str]:
     def read(marks: Iterable[str]) -> set[str]:
         out = set()
         for mark in marks:
-            if mark in callees:
-                out |= facts.attr_reads.get(callees[mark], set())
+            if mark in callees:  # what it reads together with something else
+                reads = facts.attr_reads.get(callees[mark], set())
+                ret = facts.returns.get(callees[mark], set())
+                out |= {a for a in reads if reads - {a} or _compared(ret, a)}
             else:
                 out.add(mark[len(_GUARD_MARK) :])
         return out
@@ -810,20 +909,45 @@ def _reaches(made: Iterable[Any], name: str, facts: _Facts) -> bool:
         if token in seen:
             continue
         seen.add(token)
-        kind = token[0]
         if token in (_SELF, _UNKNOWN) or token == ("attr", name):
             return True
-        if kind == "attr":
-            todo += facts.stored.get(token[1], ())
-        elif kind == "ret":
-            todo += facts.returns.get(token[1], ())
-        elif kind == "param":
-            todo += facts.calls.get(token[1], {_UNKNOWN})
-        elif kind == "cell":
-            todo += facts.cells.get(token[1], ())
-        elif kind == "global":
-            todo += facts.globals.get(token[1], ())
+        todo += _made_of(token, facts)
     return False
+
+
+def _made_of(token: Any, facts: _Facts) -> Iterable[Any]:
+    """What the value a token names may be made of: what an attribute, a cell or a global
+    was given, what a code returns, what its calls pass (anything where none is seen)."""
+    kind = token[0]
+    if kind == "attr":
+        return facts.stored.get(token[1], ())
+    if kind == "ret":
+        return facts.returns.get(token[1], ())
+    if kind == "param":
+        return facts.calls.get(token[1], {_UNKNOWN})
+    if kind == "cell":
+        return facts.cells.get(token[1], ())
+    if kind == "global":
+        return facts.globals.get(token[1], ())
+    return ()
+
+
+def _called_in(made: Iterable[Any], facts: _Facts) -> set[Any]:
+    """The calls of callables self's attributes hold that a value made of ``made`` may be
+    made of (``("called", name)``, ``("called-via", name)``): followed as :func:`_reaches`
+    follows its tokens."""
+    todo = list(made)
+    seen: set[Any] = set()
+    found: set[Any] = set()
+    while todo:
+        token = todo.pop()
+        if token in seen:
+            continue
+        seen.add(token)
+        if token[0] in ("called", "called-via"):
+            found.add(token)
+        todo += _made_of(token, facts)
+    return found
 
 
 # == what code outside the class reads =============================================================
@@ -1079,7 +1203,7 @@ class _Interpreter:
         """The locals at the start: self, and each argument (the inputs where clean)."""
         code = self.code
         given = (
-            _EMPTY
+            _Slot(frozenset({_INPUT}), frozenset(), frozenset())
             if self.key in self.facts.clean
             else _Slot(frozenset({("param", self.key)}), frozenset(), frozenset())
         )
@@ -1140,7 +1264,7 @@ class _Interpreter:
         target = self.at[op.argval]
         if "IF" in op.opname and stack:  # a condition: the attributes it reads guard writes
             made = stack[-1].made
-            marks = {_GUARD_MARK + t[1] for t in made if t[0] == "attr"}
+            marks = {_GUARD_MARK + t[1] for t in made if t[0] == "attr" and _compared(made, t[1])}
             for t in made:  # a method's result: the attributes it reads (read at the end)
                 if t[0] == "ret":
                     mark = f"{_GUARD_RET_MARK}{t[1]!r}"
@@ -1225,7 +1349,7 @@ class _Interpreter:
             alias = frozenset(a for a in owner.alias if a[0] != "global")
             if name in _CHANGING_METHODS:  # CACHE.update(...): a change to the global
                 alias |= {("changed", a[1]) for a in owner.alias if a[0] == "global"}
-            slot = _Slot(owner.made, alias, frozenset())
+            slot = _Slot(owner.made, alias, _via(owner.callee))
             if owner.known is not None and _namespace(owner.known.value):
                 found = _static_attribute(owner.known.value, name)
                 slot = self._valued(owner.made - {_UNKNOWN}, alias, found)
@@ -1240,7 +1364,7 @@ class _Interpreter:
             if names.get(_OLD_MARK + name, _OLD).made:  # not written on this path yet
                 self.facts.read_old.add(name)
             token = frozenset({("attr", name)})
-            slot = _Slot(rest | token, token, frozenset())
+            slot = _Slot(rest | token, token, frozenset({("held", name)}))  # if called
         elif found[1]:  # a property: its getter runs now
             slot = _Slot(rest | {("ret", found[0])}, frozenset(), frozenset())
         else:
@@ -1304,14 +1428,19 @@ class _Interpreter:
         del stack[len(stack) - popped :]
         inputs = _joined(taken)
         made = set(inputs.made)
-        for callee in inputs.callee - {_SUPER, _OPAQUE}:
+        for callee in _codes(inputs.callee):
             self.facts.add(self.facts.calls, callee, inputs.made)
             made.add(("ret", callee))
         if _OPAQUE in inputs.callee:
             made.add(_UNKNOWN)
         called = 2 if op.opname in ("CALL", "CALL_KW") else 1  # a global called is not changed
+        if op.opname == "CALL_FUNCTION_EX":  # (NULL,) the callable, the arguments, (keywords)
+            called = max(len(taken) - 1 - (op.arg & 1), 1)
+        for held in _joined(taken[:called]).callee:  # a callable an attribute of self holds
+            if held[0] in _HELD:
+                made.add(("called" if held[0] == "held" else "called-via", held[1]))
         marks = _guard_marks(names)
-        for callee in _joined(taken[:called]).callee:  # a method writing on every path
+        for callee in _codes(_joined(taken[:called]).callee):  # a method writing on every path
             if marks:
                 self.facts.guarded_calls.add((self.key, callee, marks))
             for name in self.written.get(callee, ()):
@@ -1386,8 +1515,8 @@ class _Interpreter:
         inputs = _joined(stack[len(stack) - popped :])
         del stack[len(stack) - popped :]
         makes = name in ("MAKE_FUNCTION", "SET_FUNCTION_ATTRIBUTE")  # a function of nested code
-        callee = inputs.callee if makes else frozenset()
-        made = inputs.made - {_SELF} if callee else inputs.made
+        callee = inputs.callee if makes else _via(inputs.callee)  # self.fns[0]: still held
+        made = inputs.made - {_SELF} if makes and callee else inputs.made
         in_place = name == "BINARY_OP" and "=" in op.argrepr
         if (name not in _PURE and name != "BINARY_OP") or in_place:
             self._change(inputs.alias - {_SELF}, inputs.made, names)
@@ -1445,6 +1574,9 @@ def _merge(old: _State | None, new: _State) -> _State | None:
 #: class -> the attributes its forward writes: derived_attributes's (weakly: a class made at
 #: run time is freed as before).
 _DERIVED: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+#: class -> for each derived attribute made by calling what attributes of self hold, those
+#: attributes (``conv1``, ``reader``): module_derived's, made with _DERIVED's.
+_CALLED: weakref.WeakKeyDictionary[type, dict[str, frozenset[str]]] = weakref.WeakKeyDictionary()
 
 
 def reached_code(code: Any, cls: type | None) -> list[Any]:

@@ -43,10 +43,10 @@ from torch.utils.hooks import RemovableHandle
 from featbake.keys import (
     argument_names,
     canonical_json,
-    derived_attributes,
     derived_state,
     inlined_comprehensions,
     method_function,
+    module_derived,
     module_fingerprint,
     reached_code,
     reads_training,
@@ -102,12 +102,12 @@ def attribute_identity(module: Any) -> str:
 
     ``self.scale = 2.0`` used in ``forward`` changes outputs without changing code or weights, so
     it must change the key. Private attributes (torch's own bookkeeping), ``training`` (always
-    eval here) and derived state the forward writes (:func:`derived_attributes`) are left out.
+    eval here) and derived state the forward writes (:func:`module_derived`) are left out.
     """
     subs = module.named_modules() if hasattr(module, "named_modules") else [("", module)]
     rows = []
     for name, sub in subs:
-        derived = derived_attributes(type(sub))
+        derived = module_derived(sub)
         for key, value in vars(sub).items():
             if not keyed_attribute(key) or derived_state(derived, key, value):
                 continue
@@ -1435,8 +1435,13 @@ def _taken_from_sys_modules(
     constant name (``sys.modules["pkg.settings"]``, ``.get("pkg.settings"[, default])``) or
     the function's own (``[__name__]``) followed on as an import of it; by any other key, or
     ``sys.modules`` used otherwise (``.values()``, passed on), a ``"dynamic"`` use. Kept in a
-    local, it is followed there; a membership test reads no module. The value is followed
-    on as it is too (a global that is no ``sys`` after all)."""
+    local, it is followed there; a membership test reads no module. ``sys`` itself used
+    whole (passed on: ``helper(sys)``, ``getattr(sys, "modules")``) and a global used whole
+    that is ``sys.modules`` (``from sys import modules``; ``helper(modules)``) are
+    ``"dynamic"`` uses too. The value is followed on as it is too (a global that is no
+    ``sys`` after all: each root names the global, checked against its value when read)."""
+    if not chain and (root == ("import", "sys", "0") or root[0] == "global"):
+        _sys_used_whole(ins, j, root, found)
     if root == ("import", "sys", "0") and chain[:1] == ("modules",):
         via, name, rest = "import", "", chain[1:]
     elif root[0] == "global" and chain[:1] == ("modules",):
@@ -1456,13 +1461,31 @@ def _taken_from_sys_modules(
     elif not rest:
         taken = _subscripted_module(ins, j, strict=via != "dict")
     if taken is None and via == "dict" and not rest:
-        return  # a global used otherwise: no sys.modules read this reading knows of
+        if _getattr_of(ins, j) and str(ins[j].argval) not in _SYS_MODULES_READS:
+            return  # getattr(modules, "keys"): names, no module
+        taken = "dynamic", "", j  # passed on, or used otherwise: sys.modules where it is
     kind, module, k = taken or ("dynamic", "", j)
     held = (("sysmodules", name, via, kind, module), ())
     if kind == "dynamic":
         found.add((held[0], ("*",)))
     else:
         _follow(code, ins, k, held, found, aliases)
+
+
+def _sys_used_whole(ins: list[Any], j: int, root: tuple[str, ...], found: set[Any]) -> None:
+    """Where ``sys`` (``import sys`` in the code, or a global that may be it) loaded before
+    ``ins[j]`` is used whole: kept in a local (followed there), an attribute read by
+    ``getattr`` with a constant name other than ``modules`` (read as that attribute), a
+    membership test, or nothing; otherwise (``helper(sys)``, ``getattr(sys, "modules")``,
+    ``getattr(sys, name)``) a ``"dynamic"`` root, which refuses the code where it is
+    ``sys``."""
+    op = ins[j] if j < len(ins) else None
+    if op is None or op.opname in _ALIAS_STORES or op.opname in ("COPY", "CONTAINS_OP"):
+        return
+    if _getattr_of(ins, j) and op.argval != "modules":
+        return
+    via, name = ("import", "") if root[0] == "import" else ("sys", root[1])
+    found.add((("sysmodules", name, via, "dynamic", ""), ("*",)))
 
 
 #: What code may read of ``sys.modules`` (as a global of ``from sys import modules``) other
@@ -1641,7 +1664,7 @@ IMPORTED_AT_RUN_TIME = (
 #: refused as, as :data:`IMPORTED_AT_RUN_TIME` is.
 TAKEN_FROM_SYS_MODULES = (
     "a module taken out of sys.modules by a name made at run time (sys.modules[name], "
-    ".get(name), .values() or sys.modules passed on), whose settings no key reads"
+    ".get(name), .values(), or sys.modules or sys passed on), whose settings no key reads"
 )
 
 

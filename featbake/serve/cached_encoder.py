@@ -56,9 +56,9 @@ from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs, 
 from featbake.errors import ConfigError, EncodeError
 from featbake.keys import (
     contained_tensors,
-    derived_attributes,
     derived_state,
     feature_key,
+    module_derived,
     module_fingerprint,
     recipe_fingerprint,
 )
@@ -432,7 +432,7 @@ class Glance:
         values, texts = iter(self.values), iter(self.values_key[1])
         for look in self.plan.looks:
             listy = {k: next(texts) for k in look.listy}
-            derived = derived_attributes(type(look.ref()))
+            derived = module_derived(look.ref())
             for key in look.public:
                 value = next(values)
                 if isinstance(value, weakref.ref):
@@ -607,7 +607,7 @@ def structure_read(module: nn.Module) -> Structure:
         keyed.append(id(type(sub)))
         if attrs.get("_forward_pre_hooks") or attrs.get("_forward_hooks"):
             _hook_rows(name, attrs, keyed, refs)
-        derived = derived_attributes(type(sub))
+        derived = module_derived(sub)
         for key, value in attrs.items():
             if not keyed_attribute(key) or derived_state(derived, key, value):
                 continue

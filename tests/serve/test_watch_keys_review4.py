@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from featbake.errors import EncoderLoadError
-from featbake.keys import derived_attributes
+from featbake.keys import derived_attributes, module_derived
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import TinyConvEncoder
 from tests.serve.test_watch_keys import _assert_live, _baked_then_reopened, _hooked
@@ -178,17 +178,14 @@ class _ThroughCallableAttribute(_Outside):
         return TinyConvEncoder.forward(self, wav) * self.scale
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="r14k.4: a callable the instance holds (set outside the forward) is read as a "
-    "value made of nothing the forward reads; derived_attributes reads the class, not what "
-    "an instance holds, so scale is taken as made anew",
-)
 def test_a_setting_read_back_through_a_callable_the_instance_holds_stays_keyed(
     tmp_path: Path, audio_dir: Path
 ) -> None:
     module = _ThroughCallableAttribute().eval()
-    assert "scale" not in derived_attributes(_ThroughCallableAttribute)
+    # the class's reading takes self.reader() as a submodule's call; the instance's reads
+    # what it holds there (a partial holding the module), as every key and watch does
+    assert "scale" in derived_attributes(_ThroughCallableAttribute)
+    assert "scale" not in module_derived(module)
 
     def change() -> None:
         module.scale = torch.tensor(3.0)
@@ -275,15 +272,7 @@ class _DefaultWhereUnset(_Outside):
         _OneStatementEitherWay,
         _MovedOrReset,
         _ResetOrKept,
-        pytest.param(
-            _DefaultWhereUnset,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="r14k.3: a write made anew under a condition reading the attribute "
-                "(a lazy table's `self.pe is None`) makes it derived state, so the user's "
-                "value the same code keeps otherwise is neither keyed nor watched",
-            ),
-        ),
+        _DefaultWhereUnset,
     ],
     ids=["one-statement", "moved-or-reset", "reset-or-kept", "default-where-unset"],
 )
