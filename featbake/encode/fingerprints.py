@@ -541,8 +541,10 @@ def encoder_cache_id(encoder: LoadedEncoder, weights: str | None) -> tuple[str, 
     return None
 
 
-#: featbake's own modules whose code computes a Hugging Face folder's fingerprint (the adapter,
-#: the module's fingerprint and what enters it): a change to any of them is a change of key.
+#: featbake's own modules whose code computes a Hugging Face folder's fingerprint: the adapter
+#: (encode/hf.py), the folder readings it decides by (encode/hf_folders.py: text, audio or
+#: vision), the module's fingerprint and what enters it, and what those import. Every module of
+#: the package is read (:func:`keying_code_digest`): a list of some missed one the load runs.
 FOLDER_KEYING_CODE = ("encode/hf.py", "encode/encoders.py", "encode/identity.py", "keys.py")
 #: The libraries whose code builds a folder's model (its class, its config's defaults, buffers it
 #: computes at init) from the folder's files.
@@ -571,9 +573,7 @@ class FolderState(NamedTuple):
 
         try:
             versions = [version(name) for name in FOLDER_LIBRARIES]
-            code = hashlib.sha256()
-            for rel in FOLDER_KEYING_CODE:
-                code.update(sha256_file(_PACKAGE / rel).encode())
+            code = keying_code_digest(_PACKAGE)
             where = resolve_path(folder)
             with os.scandir(where) as listing:
                 entries = sorted((e.name, FileStat.of(e.path)) for e in listing)
@@ -582,13 +582,32 @@ class FolderState(NamedTuple):
         if not entries:
             return None
         newest = max((st for _, st in entries), key=_trusted_from)
-        named = [sys.version, __version__, *versions, code.hexdigest(),
+        named = [sys.version, __version__, *versions, code,
                  [[name, *st] for name, st in entries]]  # fmt: skip
         return cls(f"{ENCODER_FP_PREFIX}hf:{where}:{sha256_hex(canonical_json(named))}", newest)
 
 
 #: featbake's package folder (where :data:`FOLDER_KEYING_CODE` lies).
 _PACKAGE = Path(__file__).resolve().parent.parent
+
+
+def keying_code_digest(package: Path) -> str:
+    """The digest of every ``.py`` file of featbake's package (named by its path in it): the
+    code a folder's load and fingerprint run is somewhere in it, whichever module it moved to
+    (:data:`FOLDER_KEYING_CODE` names the main ones, and a move out of them changed no key)."""
+    code = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        code.update(f"{path.relative_to(package).as_posix()}\0{sha256_file(path)}\n".encode())
+    return code.hexdigest()
+
+
+def transformers_as_installed() -> bool:
+    """Whether this process's transformers is the installed one's code untouched, as far as
+    featbake can tell: not imported yet. A process that imported it may have changed what a
+    load builds (a class's ``__init__`` patched to add a buffer, a config's default) and its
+    load's fingerprint would see it: a folder's fingerprint is then neither read from the hash
+    cache (it is the one a load gives here) nor recorded (another process loads another one)."""
+    return "transformers" not in sys.modules
 
 
 def _trusted_from(st: FileStat) -> int:
@@ -600,6 +619,8 @@ def cached_folder_encoder_fp(catalog: HashCache, folder: str | os.PathLike[str])
     """A Hugging Face folder's fingerprint without loading it (transformers never imported),
     if neither its files nor what builds its model changed since it was last loaded
     (:class:`FolderState`); else None."""
+    if not transformers_as_installed():
+        return None  # this process's load may differ from the one recorded: load it here
     state = FolderState.of(folder)
     if state is None:
         return None

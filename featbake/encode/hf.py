@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from featbake.encode import fingerprints
 from featbake.encode.encoders import LoadedEncoder, LoadedFrom, from_module
 from featbake.encode.fingerprints import FolderState
 from featbake.encode.hf_folders import (
@@ -572,7 +573,9 @@ def load_hf_folder(
             "torch.export (.pt2) file, or an import path like mypkg.models:build_encoder"
         )
     taken = time.time_ns()  # before the stats: what a racy entry is measured against
-    before = FolderState.of(path)
+    # Recorded only from a load of transformers as installed (imported by this load): one the
+    # process may have patched first gives its own fingerprint, no other process's.
+    before = FolderState.of(path) if fingerprints.transformers_as_installed() else None
     enc = _load_folder(path, layers, device)
     if before is not None and FolderState.of(path) == before:  # unchanged over the load
         enc.folder_state, enc.loaded_from = before, LoadedFrom(before.newest, taken)

@@ -217,6 +217,9 @@ def test_a_rebuild_of_an_unchanged_folder_imports_no_transformers_and_keeps_its_
     from featbake.store.hash_cache import RACY_NS
     from featbake.store.layout import Layout
 
+    # This process imported transformers (to save the model): it is taken for one that did not,
+    # as the commands' processes are (fingerprints.transformers_as_installed).
+    monkeypatch.setattr(fingerprints, "transformers_as_installed", lambda: True)
     folder, store = save_model(tmp_path / "m"), tmp_path / "s"
     with monkeypatch.context() as m:  # the clock of a folder saved a while before its build
         m.setattr(hf, "time", SimpleNamespace(time_ns=lambda: time.time_ns() + 3 * RACY_NS))
@@ -247,9 +250,8 @@ def test_a_rebuild_of_an_unchanged_folder_imports_no_transformers_and_keeps_its_
         assert cached() is None
     with monkeypatch.context() as m:  # featbake's keying code changed
         code = tmp_path / "code"
-        for rel in fingerprints.FOLDER_KEYING_CODE:
-            (code / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(Path(hf.__file__).parent.parent / rel, code / rel)
+        shutil.copytree(Path(hf.__file__).parent.parent, code,
+                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
         m.setattr(fingerprints, "_PACKAGE", code)
         assert cached() == first.encoder_fp  # the same code: the same state
         with (code / "keys.py").open("a") as f:
