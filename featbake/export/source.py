@@ -31,16 +31,14 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Se
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
 
 from featbake.errors import ConfigError, ShardMissing, StoreError
 from featbake.keys import feature_key
 from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, Location
-from featbake.store.features import ShardHandles
 from featbake.store.fidelity import QUANTISED
 from featbake.store.files import write_all
 from featbake.store.hash_cache import HashCache
@@ -48,6 +46,9 @@ from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, open_catalog, resolve_root
 from featbake.store.roots import Root
 from featbake.store.shard import Leases, ShardReader, VerifyMode, read_leased
+
+if TYPE_CHECKING:  # torch (seconds of CPU) is imported where features are read: an export's
+    import torch  # refusals (no such root, OUT exists, ...) come before, without it
 
 #: Items read per catalog query and per batch handed to a format.
 READ_BATCH = 256
@@ -442,6 +443,8 @@ class PartReads:
     """
 
     def __init__(self, layout: Layout) -> None:
+        from featbake.store.features import ShardHandles  # torch: once features are read
+
         self.layout = layout
         self.handles = ShardHandles.of(layout, verify=VerifyMode.ALWAYS)
         self.catalog: Catalog | None = None  # opened on a first vanished shard
@@ -483,6 +486,8 @@ class PartReads:
         if loc.dtype != "BF16":
             self.read(loc, out)
             return
+        import torch
+
         raw = self.widen.array(np.dtype(np.int16), loc.shape)
         self.read(loc, raw)
         torch.from_numpy(out).copy_(torch.from_numpy(raw).view(torch.bfloat16))
@@ -682,6 +687,8 @@ def stream(src: ExportSource, progress: ProgressFn | None = None) -> Iterator[li
         StoreError: a feature vanished during the export (gc, or a shard removed by hand).
         StoreCorrupt: a stored feature fails its checksum.
     """
+    import torch
+
     with PartReads(src.layout) as reads:
         for batch in located(src, progress):
             yield [
@@ -696,6 +703,8 @@ def stream(src: ExportSource, progress: ProgressFn | None = None) -> Iterator[li
 
 def _stored_tensor(reads: PartReads, loc: Location) -> torch.Tensor:
     """A bfloat16 part as stored (callers of :func:`stream` widen it with :func:`as_numpy`)."""
+    import torch
+
     t = torch.empty(loc.shape, dtype=torch.bfloat16)
     reads.read(loc, t.view(torch.int16).numpy())
     return t
@@ -704,6 +713,8 @@ def _stored_tensor(reads: PartReads, loc: Location) -> torch.Tensor:
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """A stored tensor as numpy: bfloat16, which numpy, Arrow and Zarr lack, widened exactly to
     float32; every other dtype as stored."""
+    import torch
+
     return t.to(torch.float32).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
