@@ -15,9 +15,7 @@ import os
 import re
 import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any, BinaryIO, ClassVar, Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Protocol, runtime_checkable
 
 from featbake.encode.fingerprints import Digester, HeldBytes, digest_here, hash_inputs
 from featbake.encode.sources import ScanResult, SkippedInput, Source, source_extensions
@@ -28,6 +26,9 @@ from featbake.progress import Progress
 from featbake.store.byteplace import bytes_at
 from featbake.store.files import gzip_compressed
 from featbake.store.hash_cache import FileStat, HashCache, HashEntry, HashRow
+
+if TYPE_CHECKING:  # torch where tensors are made: reading a root's data imports none
+    import torch
 
 
 # == inputs ========================================================================================

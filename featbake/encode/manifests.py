@@ -77,10 +77,9 @@ import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, ClassVar, NamedTuple, TextIO, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple, TextIO, TypeVar, cast
 
 import numpy as np
-import torch
 
 from featbake.encode.fingerprints import (
     Digester,
@@ -105,6 +104,9 @@ from featbake.progress import Progress
 from featbake.store.byteplace import Whole, bytes_at
 from featbake.store.files import gzip_compressed
 from featbake.store.hash_cache import FileStat, HashCache
+
+if TYPE_CHECKING:  # torch where tensors are made: reading a manifest's rows imports none
+    import torch
 
 #: The input column when ``--column`` is not given.
 DEFAULT_COLUMN = "path"

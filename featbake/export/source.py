@@ -39,6 +39,7 @@ from featbake.errors import ConfigError, ShardMissing, StoreError
 from featbake.keys import feature_key
 from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, Location
+from featbake.store.features import ShardHandles
 from featbake.store.fidelity import QUANTISED
 from featbake.store.files import write_all
 from featbake.store.hash_cache import HashCache
@@ -47,8 +48,8 @@ from featbake.store.open import StoreRef, open_catalog, resolve_root
 from featbake.store.roots import Root
 from featbake.store.shard import Leases, ShardReader, VerifyMode, read_leased
 
-if TYPE_CHECKING:  # torch (seconds of CPU) is imported where features are read: an export's
-    import torch  # refusals (no such root, OUT exists, ...) come before, without it
+if TYPE_CHECKING:  # torch (seconds of CPU) only where bfloat16 is widened or a tensor made: a
+    import torch  # refusal (no such root, OUT exists, ...) or a float export imports none
 
 #: Items read per catalog query and per batch handed to a format.
 READ_BATCH = 256
@@ -443,8 +444,6 @@ class PartReads:
     """
 
     def __init__(self, layout: Layout) -> None:
-        from featbake.store.features import ShardHandles  # torch: once features are read
-
         self.layout = layout
         self.handles = ShardHandles.of(layout, verify=VerifyMode.ALWAYS)
         self.catalog: Catalog | None = None  # opened on a first vanished shard

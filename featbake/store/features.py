@@ -14,9 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
-
-import torch
+from typing import TYPE_CHECKING, TypeVar
 
 from featbake.errors import ShardMissing
 from featbake.process import ProcessLocal, ProcessLocalState
@@ -24,6 +22,9 @@ from featbake.store.catalog import Catalog, Location
 from featbake.store.layout import Layout
 from featbake.store.place import RemotePlace, remote_place
 from featbake.store.shard import Leases, ShardReader, VerifyMode
+
+if TYPE_CHECKING:  # torch where tensors are made: handles and locations import none
+    import torch
 
 # == handles =======================================================================================
 # A per-process LRU of open shard readers, bounded in open files and reset after fork.
@@ -218,7 +219,7 @@ class ShardHandles(ProcessLocalState):
 V = TypeVar("V")
 
 #: One key's stored tensors by output part ("" for a single tensor).
-Parts = dict[str, torch.Tensor]
+Parts = dict[str, "torch.Tensor"]
 
 
 def read_locations(
