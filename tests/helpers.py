@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +127,61 @@ try:
 finally:
     print("imported:", sorted(m for m in ("torch", "transformers") if m in sys.modules))
 """
+
+#: One fresh interpreter running several ``featbake`` commands in turn (a JSON list of argument
+#: lists, the one argument after ``-c``): after each, a line ``==`` on stdout and ``== [exit
+#: code, [torch and transformers if imported by then]]`` on stderr, so each command's output is
+#: told apart and the first command that imported torch is named (:func:`commands_then_modules`).
+COMMANDS_THEN_MODULES = """
+import json, sys
+from featbake.cli.main import main
+for argv in json.loads(sys.argv[1]):
+    code = 0
+    try:
+        main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    took = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+    print("==", flush=True)
+    print("==", json.dumps([code, took]), file=sys.stderr, flush=True)
+"""
+
+
+@dataclass(frozen=True)
+class Ran:
+    """One command of :func:`commands_then_modules`: its exit code, its non-blank stdout and
+    stderr lines, and which of torch and transformers were imported when it ended."""
+
+    code: int
+    out: list[str]
+    err: list[str]
+    imported: list[str]
+
+
+def commands_then_modules(commands: list[list[str]], timeout: float = 300) -> list[Ran]:
+    """Run ``commands`` in turn in one fresh interpreter (:data:`COMMANDS_THEN_MODULES`)."""
+    ran = subprocess.run(
+        [sys.executable, "-c", COMMANDS_THEN_MODULES, json.dumps(commands)],
+        capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"}, timeout=timeout,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+
+    def split(text: str) -> list[list[str]]:
+        runs: list[list[str]] = [[]]
+        for line in text.splitlines():
+            if line.startswith("=="):
+                runs[-1].append(line)
+                runs.append([])
+            elif line.strip():
+                runs[-1].append(line)
+        assert runs[-1] == [] and len(runs) == len(commands) + 1, text
+        return runs[:-1]
+
+    out: list[Ran] = []
+    for printed_, said in zip(split(ran.stdout), split(ran.stderr), strict=True):
+        code, took = json.loads(said[-1][3:])
+        out.append(Ran(code, printed_[:-1], said[:-1], took))
+    return out
 
 
 def age(path: Path, seconds: float) -> None:

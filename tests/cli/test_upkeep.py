@@ -11,9 +11,17 @@ from pathlib import Path
 import pytest
 import zarr
 
-from featbake.testing import TinyConvEncoder, save_torchscript
+from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 from tests.conftest import invoke, run_cli
-from tests.helpers import COMMAND_THEN_MODULES, Live, assert_serves, bake, shard_files
+from tests.helpers import (
+    COMMAND_THEN_MODULES,
+    Live,
+    Ran,
+    assert_serves,
+    bake,
+    commands_then_modules,
+    shard_files,
+)
 
 
 @pytest.fixture
@@ -370,3 +378,73 @@ def test_an_unknown_export_format_is_one_line_without_torch(tmp_path: Path) -> N
     assert len(lines) == 1 and "unknown --format 'npy'" in lines[0], lines
     assert ran.stdout.strip() == "imported: []", ran.stdout
     assert not (tmp_path / "out").exists() and not (tmp_path / "c").exists()
+
+
+#: `featbake export`'s refusals, in the order one interpreter runs them (see
+#: :func:`export_refusals`): argument lists with ``{out}`` (an export path, written by
+#: ``exported``), ``{store}`` (two roots: ``{a}``, and ``{b}`` whose data changed since the
+#: build) and ``{none}`` (no store), the exit code, and what the one line says. Two mistakes
+#: name the one the export named before torch left its import (checked in this order: --format,
+#: --compression, the store, OUT, the root, the parts, the data).
+EXPORT_REFUSALS: dict[str, tuple[str, int, str]] = {
+    "format": ("--format npy {out} --cache {store}", 2, "unknown --format 'npy'"),
+    "compression": ("{out} --cache {store} --root {a} --compression lz4", 2,
+                    "unknown compression 'lz4'; choose one of none, snappy, zstd"),
+    "webdataset compressed": ("--format webdataset {out} --cache {store} --root {a} "
+                              "--compression zstd", 2, "a webdataset export writes plain tars"),
+    "no store": ("{out} --cache {none}", 5, "there is no featbake store at {none}"),
+    "no such root": ("{out} --cache {store} --root nope", 2, "no root is named 'nope'"),
+    "several roots": ("{out} --cache {store}", 2, "the store has 2 roots"),
+    "no such part": ("{out} --cache {store} --root {a} --output nope", 2,
+                     "the root stores no part 'nope'"),
+    "data changed, strict": ("{out} --cache {store} --root {b} --strict-rows", 2,
+                             "1 of 2 items of root {b} changed in its data"),
+    "no store and compression": ("{out} --cache {none} --compression lz4", 2,
+                                 "unknown compression 'lz4'"),
+    "no such root and compression": ("{out} --cache {store} --root nope --compression lz4", 2,
+                                     "unknown compression 'lz4'"),
+    "exported": ("{out} --cache {store} --root {a}", 0, ""),
+    "OUT exists": ("{out} --cache {store} --root {a}", 2,
+                   "{out} exists; choose another OUT or pass --overwrite"),
+    "OUT exists and no such root": ("{out} --cache {store} --root nope", 2, "{out} exists"),
+    "no store and OUT exists": ("{out} --cache {none}", 5, "there is no featbake store"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def export_refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Ran, dict]]:
+    """Every :data:`EXPORT_REFUSALS` command run in turn in one fresh interpreter (torch's
+    import alone is seconds of CPU: one interpreter, not one per case), by name, with the
+    names its arguments were filled in with."""
+    t = tmp_path_factory.mktemp("export-refusals")
+    encoder = save_torchscript(TinyConvEncoder(), t / "encoder.pt")
+    write_audio_folder(t / "a", 4, seconds=(0.3, 0.6))
+    clips = write_audio_folder(t / "b", 2, seconds=(0.3, 0.6), seed=2)
+    a, b = bake(t / "a", encoder, t / "store").root, bake(t / "b", encoder, t / "store").root
+    write_audio_folder(t / "new", 1, seconds=0.5, seed=9)[0].replace(clips[0])  # changed
+    names = {"out": str(t / "out.zarr"), "store": str(t / "store"), "none": str(t / "none"),
+             "a": a, "b": b}  # fmt: skip
+    commands = [["export", *args.format(**names).split()] for args, _, _ in
+                EXPORT_REFUSALS.values()]  # fmt: skip
+    return {name: (ran, names) for name, ran in
+            zip(EXPORT_REFUSALS, commands_then_modules(commands), strict=True)}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(EXPORT_REFUSALS))
+def test_an_export_refusal_is_one_line_without_torch(
+    export_refusals: dict[str, tuple[Ran, dict]], case: str
+) -> None:
+    """`featbake export` imported torch (export/source.py at its top: 4-5 s of CPU) before
+    saying the root, the compression, the store or OUT was wrong. Each refusal is its one line
+    and exit code as before, with no torch imported by the refusal or any command run before
+    it in the same interpreter; an export of float features imports none either."""
+    ran, names = export_refusals[case]
+    _, code, said = EXPORT_REFUSALS[case]
+    assert ran.code == code, ran
+    assert ran.imported == [], ran
+    if code == 0:
+        assert len(ran.out) == 1 and ran.out[0].startswith(f"exported 4 items of root {names['a']}")
+        assert zarr.open_group(names["out"], mode="r")["keys"].shape == (4,)
+        return
+    assert len(ran.err) == 1 and said.format(**names) in ran.err[0], ran
+    assert ran.out == [], ran
