@@ -13,12 +13,13 @@ import pytest
 import torch
 from torch import nn
 
+from featbake.errors import EncoderLoadError
 from featbake.keys import derived_attributes, module_derived
 from featbake.serve.cached_encoder import CachedEncoder
 from featbake.testing import TinyConvEncoder
 from tests.serve.test_cached_encoder import frozen, waves
 from tests.serve.test_misses import _HiddenLayer
-from tests.serve.test_watch_keys import _assert_live, _baked_then_reopened
+from tests.serve.test_watch_keys import _assert_live, _baked_then_reopened, _first_dataset, _live
 from tests.serve.test_watch_keys_review3 import _Scaled
 from tests.serve.test_watch_keys_review4 import _current
 
@@ -243,22 +244,36 @@ class _ScriptedScale(nn.Module):
         return self.conv(wav.unsqueeze(1)).transpose(1, 2) * self.scale
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a ScriptModule given in memory keeps its attributes in the scripted object, not "
-    "in __dict__: attribute_identity and structure_read read none, so `scale = 3.0` keeps "
-    "the key and 2.0's features are served",
-)
 def test_a_scripted_modules_setting_changed_is_not_served_stale(
     tmp_path: Path, audio_dir: Path
 ) -> None:
+    """Its attributes live in the scripted object, not ``__dict__``: read there
+    (``keys.public_attributes``; 2.0's features were served on the merged code)."""
     module = torch.jit.script(_ScriptedScale().eval())
+    again = _baked_then_reopened(audio_dir, module, tmp_path / "a", n=2)  # on_miss="error"
+    _assert_live(again, module, 2)
 
     def change() -> None:
         module.scale = 3.0
 
     second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
     _assert_live(second, module, 1)
+
+
+def test_a_scripted_modules_setting_changed_under_an_open_dataset_is_not_served_stale(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """Changed after the dataset was made: the watch reads it at the next miss."""
+    module = torch.jit.script(_ScriptedScale().eval())
+    first = _first_dataset(audio_dir, module, tmp_path)
+    _assert_live(first, module, 1)
+    module.scale = 3.0
+    try:
+        value = first[1]
+    except EncoderLoadError as e:
+        assert "\n" not in str(e)
+    else:
+        torch.testing.assert_close(value, _live(module, first.path(1)))
 
 
 #: A script's settings, read through a bound ``dict.get`` the module holds.
