@@ -213,6 +213,38 @@ def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     ]
 
 
+def public_attributes(module: Any) -> dict[str, Any]:
+    """A submodule's attributes as a key reads them: its ``__dict__``, and for a TorchScript
+    module (``torch.jit.script`` in memory, or loaded) the attributes its scripted object
+    keeps, which ``__dict__`` does not hold (``self.scale = 2.0``, set again by
+    ``scripted.scale = 3.0``): each by its current value, parameters and submodules left
+    out (they live in torch's own dicts).
+
+    Example:
+        >>> import torch
+        >>> class Scaled(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.scale = 2.0
+        ...
+        ...     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ...         return x * self.scale
+        >>> public_attributes(torch.jit.script(Scaled()))["scale"]
+        2.0
+    """
+    attrs = vars(module)
+    concrete = attrs.get("_concrete_type")
+    scripted = attrs.get("_c")
+    if concrete is None or scripted is None:
+        return attrs
+    found = dict(attrs)
+    for name, (_, is_parameter) in concrete.get_attributes().items():
+        if is_parameter or name in found or name in attrs.get("_modules", {}):
+            continue
+        found[name] = scripted.getattr(name)
+    return found
+
+
 def reparametrised_attributes(module: torch.nn.Module) -> frozenset[str]:
     """The attributes of ``module`` that torch's old-API ``spectral_norm`` or ``weight_norm``
     pre-hook sets at each forward (``weight``, from ``weight_orig`` and the ``weight_u`` /

@@ -48,6 +48,7 @@ from featbake.keys import (
     method_function,
     module_derived,
     module_fingerprint,
+    public_attributes,
     reached_code,
     reads_training,
     records_into,
@@ -108,7 +109,7 @@ def attribute_identity(module: Any) -> str:
     rows = []
     for name, sub in subs:
         derived = module_derived(sub)
-        for key, value in vars(sub).items():
+        for key, value in public_attributes(sub).items():
             if not keyed_attribute(key) or derived_state(derived, key, value):
                 continue
             if _primitive(value):

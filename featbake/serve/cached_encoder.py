@@ -60,6 +60,7 @@ from featbake.keys import (
     feature_key,
     module_derived,
     module_fingerprint,
+    public_attributes,
     recipe_fingerprint,
 )
 from featbake.lru import ByteLRU, CacheInfo
@@ -617,6 +618,9 @@ def structure_read(module: nn.Module) -> Structure:
                 unkeyed.append(_pinned(value))
                 version = _versions_in(key, value)
                 attributes.append((name, key, id(value), version))
+        for key, value in public_attributes(sub).items():  # a TorchScript module's own
+            if key not in attrs and keyed_attribute(key) and is_plain(value):
+                plain.append([name, key, repr(value)])
     globals_ = foreign_global_hooks()
     unkeyed += map(_pinned, globals_)
     global_rows = [(i, id(h), *held_values(h)) for i, h in enumerate(globals_)]
