@@ -5,6 +5,7 @@ the fix that closes it."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -12,6 +13,7 @@ import os
 import queue
 import sys
 import time
+from collections.abc import Iterator, Mapping
 from os import environ, getenv
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,42 @@ def _assert_live(ds: CachedFeatureDataset, module: torch.nn.Module, n: int) -> N
     """The first ``n`` items ``ds`` serves equal ``module`` run on them now."""
     for i in range(n):
         torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
+
+
+def _served_live_after_a_new_scale(audio_dir: Path, module: Any, tmp_path: Path) -> None:
+    """A first dataset over ``module`` bakes its first item; then ``module.scale`` is set to
+    3.0 (the next run's setting) and a second dataset on the same store serves that item equal
+    to ``module`` run now (a stale key serves 2.0's features)."""
+
+    def change() -> None:
+        module.scale = torch.tensor(3.0)
+
+    second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
+    _assert_live(second, module, 1)
+
+
+@contextlib.contextmanager
+def _user_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, files: Mapping[str, str]
+) -> Iterator[Path]:
+    """A package of the user's, ``name``, written under ``tmp_path`` (``files``: its relative
+    paths and sources, each folder made a package) and put on ``sys.path``; its modules are
+    forgotten after, so the next test's package of that name is read afresh."""
+    root = tmp_path / "code" / name
+    root.mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    for rel, source in files.items():
+        path = root / rel
+        if not path.parent.exists():
+            path.parent.mkdir(parents=True)
+            (path.parent / "__init__.py").write_text("")
+        path.write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    try:
+        yield root
+    finally:
+        for loaded in [n for n in sys.modules if n == name or n.startswith(f"{name}.")]:
+            sys.modules.pop(loaded, None)
 
 
 #: The PyTorch forum's way to see a layer's output: a module-level dict a forward hook fills.

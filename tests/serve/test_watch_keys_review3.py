@@ -15,7 +15,11 @@ import torch
 
 from featbake.keys import derived_attributes, fresh_attribute_writes, tensor_attributes
 from featbake.testing import TinyConvEncoder
-from tests.serve.test_watch_keys import _assert_live, _baked_then_reopened
+from tests.serve.test_watch_keys import (
+    _assert_live,
+    _baked_then_reopened,
+    _served_live_after_a_new_scale,
+)
 from tests.serve.test_watch_keys_review import _served_after_change
 
 THIS_MODULE = sys.modules[__name__]  # as ``import config`` of a user's own module
@@ -255,11 +259,7 @@ def test_a_setting_the_forward_writes_back_from_itself_stays_keyed(
     assert "scale" not in derived_attributes(cls)
     module = cls().eval()
 
-    def change() -> None:
-        module.scale = torch.tensor(3.0)  # the next run's setting
-
-    second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
-    _assert_live(second, module, 1)
+    _served_live_after_a_new_scale(audio_dir, module, tmp_path)
 
 
 class _LazyTable(TinyConvEncoder):

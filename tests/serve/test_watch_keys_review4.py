@@ -21,7 +21,13 @@ from featbake.errors import EncoderLoadError
 from featbake.keys import derived_attributes, module_derived
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import TinyConvEncoder
-from tests.serve.test_watch_keys import _assert_live, _baked_then_reopened, _hooked
+from tests.serve.test_watch_keys import (
+    _assert_live,
+    _baked_then_reopened,
+    _hooked,
+    _served_live_after_a_new_scale,
+    _user_package,
+)
 from tests.serve.test_watch_keys_review3 import _Scaled
 
 THIS_MODULE = sys.modules[__name__]  # a module of the user's holding the encoder
@@ -161,11 +167,7 @@ def test_a_setting_read_back_through_code_outside_the_class_stays_keyed(
     held_globally(module)
     assert "scale" not in derived_attributes(cls)
 
-    def change() -> None:
-        module.scale = torch.tensor(3.0)  # the next run's setting
-
-    second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
-    _assert_live(second, module, 1)
+    _served_live_after_a_new_scale(audio_dir, module, tmp_path)
 
 
 class _ThroughCallableAttribute(_Outside):
@@ -392,20 +394,14 @@ def sibling_name(module, args):
 def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """``review4_pkg`` written under ``tmp_path`` and put on ``sys.path``: ``settings.py``
     (``GAIN = 2.0``), ``hooks.py`` and ``sub/hooks.py`` (``sub/local.py``: ``GAIN = 2.0``)."""
-    root = tmp_path / "code" / _PACKAGE
-    (root / "sub").mkdir(parents=True)
-    (root / "__init__.py").write_text("")
-    (root / "settings.py").write_text("GAIN = 2.0\n")
-    (root / "hooks.py").write_text(_HOOKS_SOURCE)
-    (root / "sub" / "__init__.py").write_text("")
-    (root / "sub" / "local.py").write_text("GAIN = 2.0\n")
-    (root / "sub" / "hooks.py").write_text(_SUB_HOOKS_SOURCE)
-    monkeypatch.syspath_prepend(str(tmp_path / "code"))
-    try:
+    files = {
+        "settings.py": "GAIN = 2.0\n",
+        "hooks.py": _HOOKS_SOURCE,
+        "sub/local.py": "GAIN = 2.0\n",
+        "sub/hooks.py": _SUB_HOOKS_SOURCE,
+    }
+    with _user_package(tmp_path, monkeypatch, _PACKAGE, files) as root:
         yield root
-    finally:
-        for name in [n for n in sys.modules if n == _PACKAGE or n.startswith(f"{_PACKAGE}.")]:
-            sys.modules.pop(name, None)
 
 
 def _served_after_gain_change(

@@ -20,7 +20,13 @@ from featbake.errors import EncoderLoadError
 from featbake.keys import derived_attributes
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import TinyConvEncoder
-from tests.serve.test_watch_keys import _assert_live, _baked_then_reopened, _hooked
+from tests.serve.test_watch_keys import (
+    _assert_live,
+    _baked_then_reopened,
+    _hooked,
+    _served_live_after_a_new_scale,
+    _user_package,
+)
 from tests.serve.test_watch_keys_review3 import _Scaled
 
 #: The encoder, kept at module level by the user's script (``ENC = model``).
@@ -136,11 +142,7 @@ def test_a_setting_the_forward_keeps_is_keyed(
     monkeypatch.setattr(sys.modules[__name__], "ENC", module)
     assert "scale" not in derived_attributes(cls)
 
-    def change() -> None:
-        module.scale = torch.tensor(3.0)  # the next run's setting
-
-    second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
-    _assert_live(second, module, 1)
+    _served_live_after_a_new_scale(audio_dir, module, tmp_path)
 
 
 # -- a hook importing a module through an alias of importlib.import_module -------------------------
@@ -233,17 +235,9 @@ HOOKS = [
 def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """``review5_pkg`` under ``tmp_path`` on ``sys.path``: ``settings.py`` (``GAIN = 2.0``)
     and ``hooks.py``."""
-    root = tmp_path / "code" / _PACKAGE
-    root.mkdir(parents=True)
-    (root / "__init__.py").write_text("")
-    (root / "settings.py").write_text("GAIN = 2.0\n")
-    (root / "hooks.py").write_text(_HOOKS_SOURCE)
-    monkeypatch.syspath_prepend(str(tmp_path / "code"))
-    try:
+    files = {"settings.py": "GAIN = 2.0\n", "hooks.py": _HOOKS_SOURCE}
+    with _user_package(tmp_path, monkeypatch, _PACKAGE, files) as root:
         yield root
-    finally:
-        for name in [n for n in sys.modules if n == _PACKAGE or n.startswith(f"{_PACKAGE}.")]:
-            sys.modules.pop(name, None)
 
 
 @pytest.mark.parametrize("how", HOOKS)

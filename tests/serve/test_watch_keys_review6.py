@@ -11,6 +11,7 @@ import functools
 import importlib
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,13 @@ from featbake.errors import EncoderLoadError
 from featbake.keys import derived_attributes, module_derived
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import TinyConvEncoder
-from tests.serve.test_watch_keys import _assert_live, _baked_then_reopened, _hooked
+from tests.serve.test_watch_keys import (
+    _assert_live,
+    _baked_then_reopened,
+    _hooked,
+    _served_live_after_a_new_scale,
+    _user_package,
+)
 from tests.serve.test_watch_keys_review3 import _Scaled
 from tests.serve.test_watch_keys_review4 import _current, _table
 
@@ -91,11 +98,7 @@ def test_a_setting_given_a_default_where_unset_stays_keyed(
     assert "scale" not in derived_attributes(cls)
     assert "scale" not in module_derived(module)
 
-    def change() -> None:
-        module.scale = torch.tensor(3.0)  # the next run's setting
-
-    second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
-    _assert_live(second, module, 1)
+    _served_live_after_a_new_scale(audio_dir, module, tmp_path)
 
 
 # -- what must stay derived: a table whose guard compares it with the input -----------------------
@@ -384,20 +387,12 @@ def tests_membership_of_modules(module, args):
 
 
 @pytest.fixture
-def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """``review6_pkg`` under ``tmp_path`` on ``sys.path``: ``settings.py`` (``GAIN = 2.0``)
     and ``hooks.py``."""
-    root = tmp_path / "code" / _PACKAGE
-    root.mkdir(parents=True)
-    (root / "__init__.py").write_text("")
-    (root / "settings.py").write_text("GAIN = 2.0\n")
-    (root / "hooks.py").write_text(_HOOKS_SOURCE)
-    monkeypatch.syspath_prepend(str(tmp_path / "code"))
-    try:
+    files = {"settings.py": "GAIN = 2.0\n", "hooks.py": _HOOKS_SOURCE}
+    with _user_package(tmp_path, monkeypatch, _PACKAGE, files) as root:
         yield root
-    finally:
-        for name in [n for n in sys.modules if n == _PACKAGE or n.startswith(f"{_PACKAGE}.")]:
-            sys.modules.pop(name, None)
 
 
 #: What each hook is refused as: ``sys.modules`` as a global read whole is a value too large
