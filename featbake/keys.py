@@ -30,7 +30,7 @@ import sys
 import sysconfig
 import types
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -930,10 +930,10 @@ def _unread(code: Any, facts: _Facts) -> None:
             facts.add(facts.calls, _key(nested), unknown)
 
 
-def _reaches(made: Iterable[Any], name: str, facts: _Facts) -> bool:
-    """Whether a value made of ``made`` may carry attribute ``name`` of self as it was, or
-    what no reading follows: its tokens followed through what each attribute, return,
-    argument and cell was given."""
+def _tokens_from(made: Iterable[Any], facts: _Facts) -> Iterator[Any]:
+    """Every token a value made of ``made`` may be made of, each once, ``made``'s own first:
+    followed through what each attribute, return, argument and cell was given
+    (:func:`_made_of`); lazily, so a search stops where it finds what it looks for."""
     todo = list(made)
     seen: set[Any] = set()
     while todo:
@@ -941,10 +941,14 @@ def _reaches(made: Iterable[Any], name: str, facts: _Facts) -> bool:
         if token in seen:
             continue
         seen.add(token)
-        if token in (_SELF, _UNKNOWN) or token == ("attr", name):
-            return True
+        yield token
         todo += _made_of(token, facts)
-    return False
+
+
+def _reaches(made: Iterable[Any], name: str, facts: _Facts) -> bool:
+    """Whether a value made of ``made`` may carry attribute ``name`` of self as it was, or
+    what no reading follows (:func:`_tokens_from`)."""
+    return any(t in (_SELF, _UNKNOWN) or t == ("attr", name) for t in _tokens_from(made, facts))
 
 
 def _made_of(token: Any, facts: _Facts) -> Iterable[Any]:
@@ -966,20 +970,8 @@ def _made_of(token: Any, facts: _Facts) -> Iterable[Any]:
 
 def _called_in(made: Iterable[Any], facts: _Facts) -> set[Any]:
     """The calls of callables self's attributes hold that a value made of ``made`` may be
-    made of (``("called", name)``, ``("called-via", name)``): followed as :func:`_reaches`
-    follows its tokens."""
-    todo = list(made)
-    seen: set[Any] = set()
-    found: set[Any] = set()
-    while todo:
-        token = todo.pop()
-        if token in seen:
-            continue
-        seen.add(token)
-        if token[0] in ("called", "called-via"):
-            found.add(token)
-        todo += _made_of(token, facts)
-    return found
+    made of (``("called", name)``, ``("called-via", name)``; :func:`_tokens_from`)."""
+    return {t for t in _tokens_from(made, facts) if t[0] in ("called", "called-via")}
 
 
 # == what code outside the class reads =============================================================
