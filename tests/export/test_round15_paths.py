@@ -129,6 +129,17 @@ def test_kaldi_and_cuts_opened_with_a_recorded_folder_take_paths_from_it(
 
 
 # == r15p.3: a root recorded before the folder was kept ============================================
+def _relative_kaldi(tmp_path: Path, clips: list[Path]) -> tuple[Path, list[str]]:
+    """A Kaldi folder ``tmp_path/kaldi`` whose ``wav.scp`` names ``clips`` (rows ``r0``,
+    ``r1``, ...) by their paths relative to ``tmp_path`` (the working directory it is built
+    from), and those paths."""
+    kaldi = tmp_path / "kaldi"
+    kaldi.mkdir()
+    rel = [os.path.relpath(c, tmp_path) for c in clips]
+    (kaldi / "wav.scp").write_text("".join(f"r{i} {p}\n" for i, p in enumerate(rel)))
+    return kaldi, rel
+
+
 def _as_schema_3(store: Path) -> None:
     """The store as the featbake before schema 4 left it: no ``roots.workdir`` column, schema
     version 3, root manifest files without ``workdir``."""
@@ -253,10 +264,7 @@ def test_a_kaldi_dataset_from_another_directory_serves_features_of_the_bytes_it_
 
     monkeypatch.chdir(tmp_path)
     clips = _aged_clips(tmp_path, 3)
-    kaldi = tmp_path / "kaldi"
-    kaldi.mkdir()
-    rel = [os.path.relpath(c, tmp_path) for c in clips]
-    (kaldi / "wav.scp").write_text("".join(f"r{i} {p}\n" for i, p in enumerate(rel)))
+    kaldi, rel = _relative_kaldi(tmp_path, clips)
     bake(kaldi, encoder_file, store_dir)
     old = tmp_path / "old1.wav"
     shutil.copy2(clips[1], old)
@@ -299,10 +307,7 @@ def test_an_engines_worker_opens_a_kaldi_folder_from_the_drivers_folder(
 
     monkeypatch.chdir(tmp_path)
     clips = _aged_clips(tmp_path, 3)
-    kaldi = tmp_path / "kaldi"
-    kaldi.mkdir()
-    rel = [os.path.relpath(c, tmp_path) for c in clips]
-    (kaldi / "wav.scp").write_text("".join(f"r{i} {p}\n" for i, p in enumerate(rel)))
+    kaldi, _ = _relative_kaldi(tmp_path, clips)
     (tmp_path / "elsewhere").mkdir()
     engine = Elsewhere()
     report = build(kaldi, encoder_file, cache=store_dir, engine=engine)  # type: ignore[arg-type]
