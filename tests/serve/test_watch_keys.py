@@ -99,6 +99,20 @@ def _served_live_after_a_new_scale(audio_dir: Path, module: Any, tmp_path: Path)
     _assert_live(second, module, 1)
 
 
+def _refusal(audio_dir: Path, module: torch.nn.Module, tmp_path: Path, match: str) -> str:
+    """The one line a first dataset over ``module`` refuses it with (``match``: a pattern of
+    it), on a store it makes."""
+    from featbake.errors import EncoderLoadError
+
+    with (
+        pytest.warns(UserWarning, match="no featbake store"),
+        pytest.raises(EncoderLoadError, match=match) as e,
+    ):
+        CachedFeatureDataset(audio_dir, module, cache=tmp_path / "s")
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
 @contextlib.contextmanager
 def _user_package(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, files: Mapping[str, str]
