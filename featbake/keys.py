@@ -975,8 +975,8 @@ def _called_in(made: Iterable[Any], facts: _Facts) -> set[Any]:
 
 
 # == what code outside the class reads =============================================================
-# The user's own code (no library's: :func:`_library`) is read with its globals: a global of the
-# user's function is followed into (its returns, what it is given), a module's or class's
+# The user's own code (no library's: :func:`is_library_code`) is read with its globals: a global
+# of the user's function is followed into (its returns, what it is given), a module's or class's
 # attribute is read as it is now, and a value that may hold the module (:func:`_holds`: the
 # module itself, an object or container holding it, a bound method of it, a function whose
 # closure or defaults hold it, a module or class of the user's used as a value) is anything.
@@ -994,7 +994,7 @@ _INERT = (bool, int, float, complex, str, bytes, type(Ellipsis), range, slice)
 def _scope(func: Any, scopes: dict[Any, Mapping[str, Any]]) -> None:
     """Read ``func`` (a function of the user's own code) and the code nested in it with its
     globals; library code keeps none (its globals are library code, as before)."""
-    if _library(func):
+    if is_library_code(func):
         return
     todo = [func.__code__]
     while todo:
@@ -1004,7 +1004,7 @@ def _scope(func: Any, scopes: dict[Any, Mapping[str, Any]]) -> None:
             todo += [c for c in code.co_consts if inspect.iscode(c)]
 
 
-def _library(obj: Any) -> bool:
+def is_library_code(obj: Any) -> bool:
     """Whether a function, class or module is library code: of torch, featbake, the standard
     library or builtins by its top module, or from a file under the standard library's or
     installed packages' folders."""
@@ -1042,7 +1042,7 @@ def _holds(value: Any, depth: int = 0) -> bool:
     if isinstance(value, (*_INERT, enum.Enum)):
         return False
     if inspect.ismodule(value) or isinstance(value, type):
-        return not _library(value)
+        return not is_library_code(value)
     if _tensor_like(value):
         return False
     if depth >= _HOLD_DEPTH:
@@ -1053,7 +1053,7 @@ def _holds(value: Any, depth: int = 0) -> bool:
     if inspect.ismethod(value):
         return _holds(value.__self__, depth + 1) or _holds(value.__func__, depth + 1)
     if inspect.isfunction(value):
-        return not _library(value) and _function_holds(value, depth)
+        return not is_library_code(value) and _function_holds(value, depth)
     if isinstance(value, functools.partial):
         held = [value.func, *value.args, *value.keywords.values()]
         return any(_holds(v, depth + 1) for v in held)
@@ -1083,7 +1083,7 @@ def _function_holds(func: Any, depth: int) -> bool:
 def _held_function(value: Any) -> bool:
     """Whether ``value`` is a function of the user's (a partial's or a method's too)."""
     func = method_function(value.func if isinstance(value, functools.partial) else value)
-    return inspect.isfunction(func) and not _library(func)
+    return inspect.isfunction(func) and not is_library_code(func)
 
 
 def _tensor_like(value: Any) -> bool:
@@ -1500,9 +1500,9 @@ class _Interpreter:
             made |= {_UNKNOWN}
         func = method_function(value.func if isinstance(value, functools.partial) else value)
         callee: frozenset[Any] = frozenset()
-        if inspect.isfunction(func) and not _library(func):
+        if inspect.isfunction(func) and not is_library_code(func):
             callee = frozenset({self.facts.follow(func, self.key)})
-        elif isinstance(value, type) and not _library(value):
+        elif isinstance(value, type) and not is_library_code(value):
             callee = frozenset({_OPAQUE})
         known = self.known.setdefault(id(value), _Known(value))
         return _Slot(made, alias, callee, known)
@@ -1553,7 +1553,7 @@ _MISSING = object()
 
 def _namespace(value: Any) -> bool:
     """Whether ``value`` is a module or class of the user's: its attributes read as they are."""
-    return (inspect.ismodule(value) or isinstance(value, type)) and not _library(value)
+    return (inspect.ismodule(value) or isinstance(value, type)) and not is_library_code(value)
 
 
 def _static_attribute(namespace: Any, name: str) -> Any:

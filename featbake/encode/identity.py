@@ -30,7 +30,7 @@ import types
 import uuid
 import weakref
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any
@@ -43,8 +43,10 @@ from torch.utils.hooks import RemovableHandle
 from featbake.keys import (
     argument_names,
     canonical_json,
+    contained_tensors,
     derived_state,
     inlined_comprehensions,
+    is_library_code,
     method_function,
     module_derived,
     module_fingerprint,
@@ -99,22 +101,89 @@ def is_plain(value: Any) -> bool:
 
 
 def attribute_identity(module: Any) -> str:
-    """SHA-256 of every submodule's plain attributes (numbers, strings, tuples of them).
+    """SHA-256 of every submodule's plain attributes (numbers, strings, tuples of them), and of
+    the data and callables a module class of the user's holds (:func:`held_attribute_text`).
 
     ``self.scale = 2.0`` used in ``forward`` changes outputs without changing code or weights, so
-    it must change the key. Private attributes (torch's own bookkeeping), ``training`` (always
-    eval here) and derived state the forward writes (:func:`module_derived`) are left out.
+    it must change the key; so must ``self.cfg = {"scale": 2.0}`` edited, or ``self.act =
+    partial(torch.mul, other=2.0)`` replaced. Private attributes (torch's own bookkeeping),
+    ``training`` (always eval here) and derived state the forward writes
+    (:func:`module_derived`) are left out.
     """
     subs = module.named_modules() if hasattr(module, "named_modules") else [("", module)]
     rows = []
     for name, sub in subs:
         derived = module_derived(sub)
+        held = reads_held_attributes(sub)
         for key, value in public_attributes(sub).items():
             if not keyed_attribute(key) or derived_state(derived, key, value):
                 continue
             if _primitive(value):
                 rows.append([name, key, repr(value)])
+            elif held and key not in derived and held_attribute(key, value):
+                text = held_attribute_text(sub, value, exact=True)
+                if text is not None:
+                    rows.append([name, key, text])
     return attribute_digest(rows)
+
+
+def reads_held_attributes(module: Any) -> bool:
+    """Whether a key reads ``module``'s held attributes (:func:`held_attribute`): a class of
+    the user's. A library's classes (torch's, transformers') keep the keys they had: their
+    held values are library functions and configs read by their own code, and a torch
+    upgrade must not change every key (as :func:`code_identity` leaves torch out)."""
+    return not is_library_code(type(module))
+
+
+def held_attribute(key: str, value: Any) -> bool:
+    """Whether attribute ``key`` holding ``value`` is read as a hook's held value is
+    (:func:`held_attribute_text`): anything but a plain value, a tensor or array, a module, a
+    class or a Python module (each read by the rules it had), a list, tuple or dict holding
+    tensors (read by their versions), or ``forward`` set on the instance (refused while it
+    differs: no key reads it): a settings dict, a ``SimpleNamespace``, ``argparse.Namespace``
+    or dataclass, a config object, a function or lambda, a partial, a bound method, a builtin
+    bound to an object (a settings dict's ``get``)."""
+    if key == "forward" or _primitive(value) or isinstance(value, _READ_OTHERWISE):
+        return False
+    return not contained_tensors("", value) if type(value) in (list, tuple, dict) else True
+
+
+_READ_OTHERWISE = (torch.Tensor, np.ndarray, torch.nn.Module, type, types.ModuleType)
+
+
+def held_attribute_text(module: Any, value: Any, *, exact: bool) -> str | None:
+    """An attribute value of ``module`` as a key reads it: by the one rule for a hook's held
+    value (:class:`HeldReading`: a dict by its items, a function by its code, cells and
+    defaults, a partial by its function and arguments, a bound method by its function and
+    object), ``module``'s own submodules and tensors by their type (its key reads them).
+    None where the reading meets what no key reads (another module, a tensor, an address):
+    left out of the key as before, not refused. ``exact``: as a key reads it (a global
+    module's weights hashed anew); else as a watch reads it at each forward.
+
+    Example:
+        >>> import functools
+        >>> rounding = functools.partial(round, ndigits=2)
+        >>> held_attribute_text(torch.nn.Identity(), rounding, exact=True)
+        'held:partial(builtin(round,),ndigits=2)'
+    """
+    reading = HeldReading(_TreeIds(module), exact=exact)
+    text = reading.text(value)
+    return None if reading.refused else f"held:{text}"
+
+
+class _TreeIds(Container[int]):
+    """The ids of a module's submodules and tensors, listed at the first question: most held
+    values hold none, and a watch reads them at every forward of a large tree."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self._ids: set[int] | None = None
+
+    def __contains__(self, key: object) -> bool:
+        if self._ids is None:
+            m = self.module
+            self._ids = {id(o) for o in itertools.chain(m.modules(), m.parameters(), m.buffers())}
+        return key in self._ids
 
 
 def attribute_digest(rows: list[list[str]]) -> str:
@@ -333,7 +402,7 @@ class HeldReading:
     (:func:`global_module_digest`), as a key and a check before misses read them; else
     trusted while its stamp is unchanged, as a watch reads them at each forward."""
 
-    def __init__(self, own: frozenset[int] | set[int] = frozenset(), exact: bool = False) -> None:
+    def __init__(self, own: Container[int] = frozenset(), exact: bool = False) -> None:
         self.own = own
         self.exact = exact
         self.refused: list[str] = []

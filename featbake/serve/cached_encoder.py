@@ -30,7 +30,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from operator import itemgetter
@@ -47,10 +47,13 @@ from featbake.encode.identity import (
     HOOK_DICTS,
     attribute_digest,
     foreign_global_hooks,
+    held_attribute,
+    held_attribute_text,
     held_values,
     is_plain,
     keyed_attribute,
     module_identity,
+    reads_held_attributes,
 )
 from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs, stored_parts
 from featbake.errors import ConfigError, EncodeError
@@ -269,7 +272,9 @@ class _Look(NamedTuple):
     """One submodule as a glance reads it: the submodule (weakly), what picks its public
     attribute values from its ``__dict__`` (None: it has none) and whether that gives a tuple
     of them, the public values that are lists (edited in place, so read by value), and its
-    name and public attribute names (what a digest of the attributes is made of)."""
+    name and public attribute names (what a digest of the attributes is made of); ``held``:
+    the held values its key reads (:func:`~featbake.encode.identity.held_attribute`: a
+    settings dict, a partial), read by value too."""
 
     ref: weakref.ref[nn.Module]
     pick: Callable[[dict[str, Any]], Any] | None
@@ -277,6 +282,7 @@ class _Look(NamedTuple):
     listy: tuple[str, ...]
     name: str
     public: tuple[str, ...]
+    held: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -306,9 +312,30 @@ def glance_plan(module: nn.Module) -> GlancePlan | None:
         public = tuple(filter(keyed_attribute, attrs))
         listy = tuple(k for k in public if _edited_in_place(attrs[k]))
         pick = itemgetter(*public) if public else None
-        looks.append(_Look(weakref.ref(sub), pick, len(public) > 1, listy, name, public))
+        held = _held_attributes(sub, attrs, public)
+        looks.append(_Look(weakref.ref(sub), pick, len(public) > 1, listy, name, public, held))
     tensors = tuple(weakref.ref(t) for t in (*module.parameters(), *module.buffers()))
     return GlancePlan(tuple(looks), tensors)
+
+
+def _held_attributes(
+    sub: nn.Module, attrs: Mapping[str, Any], public: Iterable[str]
+) -> tuple[str, ...]:
+    """The public attributes of ``sub`` its key reads as held values (a class of the user's:
+    :func:`~featbake.encode.identity.reads_held_attributes`), derived state and values no key
+    reads (:func:`~featbake.encode.identity.held_attribute_text` None: a tokenizer too large
+    to key, an object known by its address) left out: a glance reads the rest at every
+    forward."""
+    if not reads_held_attributes(sub):
+        return ()
+    derived = module_derived(sub)
+    return tuple(
+        k
+        for k in public
+        if k not in derived
+        and held_attribute(k, attrs[k])
+        and held_attribute_text(sub, attrs[k], exact=False) is not None
+    )
 
 
 def _edited_in_place(value: Any) -> bool:
@@ -433,6 +460,7 @@ class Glance:
         values, texts = iter(self.values), iter(self.values_key[1])
         for look in self.plan.looks:
             listy = {k: next(texts) for k in look.listy}
+            held = {k: next(texts) for k in look.held}  # as a watch read them
             derived = module_derived(look.ref())
             for key in look.public:
                 value = next(values)
@@ -446,6 +474,9 @@ class Glance:
                     rows.append([look.name, key, listy[key]])
                 elif is_plain(value):
                     rows.append([look.name, key, repr(value)])
+                elif key in held:  # read again as a key reads it
+                    text = held_attribute_text(look.ref(), value, exact=True)
+                    rows += [[look.name, key, text]] if text is not None else []
         return attribute_digest(rows)
 
 
@@ -459,17 +490,19 @@ def take_glance(plan: GlancePlan) -> Glance | None:
     hooked: list[tuple[str, ...]] = []
     extend = held.extend
     try:
-        for ref, pick, many, listy, _, _ in plan.looks:
-            sub = ref()
+        for look in plan.looks:
+            sub = look.ref()
             attrs = vars(sub)  # TypeError once it is gone
+            pick, listy = look.pick, look.listy
             dicts = (attrs["_modules"], attrs["_parameters"], attrs["_buffers"])
             # A hook added changes what a forward returns: hook dicts by size, read where full.
             hooks = (attrs["_forward_pre_hooks"], attrs["_forward_hooks"])
             sizes += (len(attrs), *map(len, dicts), *map(len, hooks))
             held.append(type(sub))  # another class is another forward (``__class__`` set)
             if pick is not None:
-                values.extend(pick(attrs)) if many else values.append(pick(attrs))
+                values.extend(pick(attrs)) if look.many else values.append(pick(attrs))
             texts += [_in_place_text(attrs[k]) for k in listy]
+            texts += [held_attribute_text(sub, attrs[k], exact=False) for k in look.held]
             for d in dicts:
                 extend(d)
                 extend(d.values())
@@ -609,11 +642,15 @@ def structure_read(module: nn.Module) -> Structure:
         if attrs.get("_forward_pre_hooks") or attrs.get("_forward_hooks"):
             _hook_rows(name, attrs, keyed, refs)
         derived = module_derived(sub)
+        reads_held = reads_held_attributes(sub)
         for key, value in attrs.items():
             if not keyed_attribute(key) or derived_state(derived, key, value):
                 continue
             if is_plain(value):
                 plain.append([name, key, repr(value)])
+            elif reads_held and key not in derived and held_attribute(key, value):
+                text = held_attribute_text(sub, value, exact=True)
+                plain += [[name, key, text]] if text is not None else []
             elif _unkeyed(key, value):
                 unkeyed.append(_pinned(value))
                 version = _versions_in(key, value)

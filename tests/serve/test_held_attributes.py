@@ -1,0 +1,208 @@
+"""A module's settings held as data or callables (r16.1-6): a settings dict, a namespace, a
+dataclass, a lambda, a partial or a bound ``dict.get`` that a module class of the user's holds
+and its forward reads. Each test changes one after a first run and compares what is served
+with the encoder run now; the reverse tests check that an unchanged module, or one whose
+forward records into a log, serves hits (docs/reliability.md, "Round sixteen: held
+attributes")."""
+
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from featbake.encode.identity import attribute_identity, held_attribute, held_attribute_text
+from featbake.serve.cached_encoder import CachedEncoder
+from featbake.testing import TinyConvEncoder
+from tests.serve.test_cached_encoder import frozen, waves
+from tests.serve.test_watch_keys import _assert_live, _baked_then_reopened
+
+
+class _DictSettings(TinyConvEncoder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = {"scale": 2.0, "names": ["a"]}
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return super().forward(wav) * self.cfg["scale"]
+
+
+class _NamespaceSettings(TinyConvEncoder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = types.SimpleNamespace(scale=2.0)
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return super().forward(wav) * self.cfg.scale
+
+
+@dataclass
+class _Settings:
+    scale: float = 2.0
+
+
+class _DataclassSettings(TinyConvEncoder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = _Settings()
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return super().forward(wav) * self.cfg.scale
+
+
+class _ListOfDicts(TinyConvEncoder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = [{"scale": 2.0}, {"scale": 1.0}]
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return super().forward(wav) * self.stages[0]["scale"] * self.stages[1]["scale"]
+
+
+class _HeldCallables(TinyConvEncoder):
+    """``act``: a partial of library code holding a number; ``pick``: a bound ``dict.get``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act: Any = functools.partial(torch.mul, other=2.0)
+        self.pick = {"scale": 1.0}.get
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return self.act(super().forward(wav)) * self.pick("scale")
+
+
+CHANGES = {
+    "dict-edited": (_DictSettings, lambda m: m.cfg.__setitem__("scale", 3.0)),
+    "dict-replaced": (_DictSettings, lambda m: setattr(m, "cfg", {"scale": 3.0, "names": ["a"]})),
+    "namespace-edited": (_NamespaceSettings, lambda m: setattr(m.cfg, "scale", 3.0)),
+    "dataclass-edited": (_DataclassSettings, lambda m: setattr(m.cfg, "scale", 3.0)),
+    "list-of-dicts-edited": (_ListOfDicts, lambda m: m.stages[1].__setitem__("scale", 3.0)),
+    "lambda-set": (_HeldCallables, lambda m: setattr(m, "act", lambda t: t * 3.0)),
+    "partial-keywords-edited": (_HeldCallables, lambda m: m.act.keywords.__setitem__("other", 3.0)),
+    "bound-get-dict-edited": (_HeldCallables, lambda m: m.pick.__self__.__setitem__("scale", 3.0)),
+}
+
+
+@pytest.mark.parametrize("how", list(CHANGES))
+def test_a_held_setting_changed_between_runs_is_not_served_stale(
+    tmp_path: Path, audio_dir: Path, how: str
+) -> None:
+    """r16.1: each was left out of the key (only plain values were keyed), so the reopened
+    dataset served the first run's features."""
+    cls, change = CHANGES[how]
+    module = cls().eval()
+    second = _baked_then_reopened(
+        audio_dir, module, tmp_path, change=lambda: change(module), on_miss=None
+    )
+    _assert_live(second, module, 2 if how == "dict-edited" else 1)
+
+
+@pytest.mark.parametrize("how", list(CHANGES))
+def test_a_held_setting_changed_under_an_open_cached_encoder_is_not_served_stale(
+    tmp_path: Path, how: str
+) -> None:
+    """r16.2: changed between two calls of one ``CachedEncoder`` (its RAM tier warm): the
+    watch reads the held values at each call (an edit in place keeps the object's id)."""
+    cls, change = CHANGES[how]
+    module = frozen(cls())
+    x = waves(2)
+    cached = CachedEncoder(module, cache=tmp_path / "c")
+    cached(x, ids=["a", "b"])
+    change(module)
+    with torch.inference_mode():
+        now = module(x)
+    torch.testing.assert_close(cached(x, ids=["a", "b"]), now)
+
+
+@pytest.mark.parametrize("cls", [_DictSettings, _NamespaceSettings, _HeldCallables])
+def test_an_unchanged_held_setting_serves_hits(tmp_path: Path, audio_dir: Path, cls: type) -> None:
+    """r16.3: no needless miss: a second pass of one ``CachedEncoder`` reads every row from the
+    store (RAM tier off), and a dataset reopened with ``on_miss="error"`` serves them."""
+    module = frozen(cls())
+    x = waves(3)
+    ids = [f"utt{i}" for i in range(3)]
+    cached = CachedEncoder(module, cache=tmp_path / "c", ram_cache=0)
+    cached(x, ids=ids)
+    cached(x, ids=ids)
+    info = cached.cache_info()
+    assert info["encoded"] == 3 and sum(v for k, v in info.items() if k.startswith("hits_")) == 3
+    reopened = _baked_then_reopened(audio_dir, module, tmp_path / "d", n=2)  # on_miss="error"
+    _assert_live(reopened, module, 2)
+
+
+class _RecordsIntoALog(_DictSettings):
+    """A forward that records into a dict it never reads back: derived state, not a setting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, Any] = {}
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        out = super().forward(wav)
+        self.seen["last"] = out.mean().item()
+        return out
+
+
+def test_a_log_the_forward_records_into_stays_out_of_the_key(tmp_path: Path) -> None:
+    """r16.4: ``self.seen`` changes at every forward; keyed, every call would miss."""
+    module = frozen(_RecordsIntoALog())
+    before = attribute_identity(module)
+    x = waves(2)
+    cached = CachedEncoder(module, cache=tmp_path / "c", ram_cache=0)
+    cached(x, ids=["a", "b"])
+    cached(x, ids=["a", "b"])
+    assert module.seen and attribute_identity(module) == before
+    assert cached.cache_info()["encoded"] == 2
+
+
+class _HoldsWhatNoKeyReads(_DictSettings):
+    """A held object keyed by nothing but its address (no attributes, the default repr)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handle = _Opaque()
+
+
+class _Opaque:
+    __slots__ = ()
+
+
+def test_a_held_value_no_key_can_read_is_left_out_not_refused(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """r16.5: an object read only by its address is left out of the key as before (one in
+    each process would never hit), the rest of the module still keyed: its dict edited is
+    not served stale, and unchanged it serves hits."""
+    module = frozen(_HoldsWhatNoKeyReads())
+    assert held_attribute("handle", module.handle)
+    assert held_attribute_text(module, module.handle, exact=True) is None
+    again = _baked_then_reopened(audio_dir, module, tmp_path / "a", n=2)  # on_miss="error"
+    _assert_live(again, module, 2)
+    second = _baked_then_reopened(
+        audio_dir,
+        module,
+        tmp_path,
+        change=lambda: module.cfg.__setitem__("scale", 3.0),
+        on_miss=None,
+    )
+    _assert_live(second, module, 1)
+
+
+def test_a_library_modules_held_values_keep_the_key_they_had() -> None:
+    """r16.6: torch's classes hold library functions (``TransformerEncoderLayer.activation``):
+    left out, so a torch upgrade that edits one changes no key; a class of the user's that
+    holds the same function is keyed by it."""
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32)
+    before = attribute_identity(layer)
+    layer.activation = torch.nn.functional.gelu
+    assert attribute_identity(layer) == before
+
+    mine = _HeldCallables()
+    before = attribute_identity(mine)
+    mine.act = torch.nn.functional.gelu
+    assert attribute_identity(mine) != before
