@@ -541,11 +541,6 @@ def encoder_cache_id(encoder: LoadedEncoder, weights: str | None) -> tuple[str, 
     return None
 
 
-#: featbake's own modules whose code computes a Hugging Face folder's fingerprint: the adapter
-#: (encode/hf.py), the folder readings it decides by (encode/hf_folders.py: text, audio or
-#: vision), the module's fingerprint and what enters it, and what those import. Every module of
-#: the package is read (:func:`keying_code_digest`): a list of some missed one the load runs.
-FOLDER_KEYING_CODE = ("encode/hf.py", "encode/encoders.py", "encode/identity.py", "keys.py")
 #: The libraries whose code builds a folder's model (its class, its config's defaults, buffers it
 #: computes at init) from the folder's files.
 FOLDER_LIBRARIES = ("torch", "transformers")
@@ -556,8 +551,8 @@ class FolderState(NamedTuple):
 
     ``cache_id`` names every top-level entry of the folder with its :class:`FileStat` (what
     ``from_pretrained`` reads from a local folder: config, weights, preprocessor), the versions
-    of Python, torch and transformers, and the bytes of featbake's keying code
-    (:data:`FOLDER_KEYING_CODE`): while none of them changes, loading the folder gives the same
+    of Python, torch and transformers, and the bytes of featbake's code
+    (:func:`keying_code_digest`): while none of them changes, loading the folder gives the same
     module and so the same fingerprint. ``newest`` is the entry changed last (by the racy rule's
     reckoning): a fingerprint recorded too soon after it is not trusted (:meth:`FileStat.racy`).
     """
@@ -587,18 +582,33 @@ class FolderState(NamedTuple):
         return cls(f"{ENCODER_FP_PREFIX}hf:{where}:{sha256_hex(canonical_json(named))}", newest)
 
 
-#: featbake's package folder (where :data:`FOLDER_KEYING_CODE` lies).
+#: featbake's package folder (its code computes a folder's fingerprint).
 _PACKAGE = Path(__file__).resolve().parent.parent
 
 
 def keying_code_digest(package: Path) -> str:
     """The digest of every ``.py`` file of featbake's package (named by its path in it): the
-    code a folder's load and fingerprint run is somewhere in it, whichever module it moved to
-    (:data:`FOLDER_KEYING_CODE` names the main ones, and a move out of them changed no key)."""
+    code a folder's load and fingerprint run (the adapter, the folder readings, the module's
+    fingerprint and what those import) is somewhere in it, whichever module it moves to; a
+    list of some would miss one the load runs. Kept per process while every file's stat is
+    the same: a build reads it more than once, and hashing the package costs about 13 ms."""
+    files = sorted(package.rglob("*.py"))
+    stats = [FileStat.of(f) for f in files]
+    listing = tuple(zip(map(str, files), stats, strict=True))
+    kept = _CODE_DIGESTS.get(package)
+    if kept is not None and kept[0] == listing:
+        return kept[1]
+    now = time.time_ns()
     code = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
+    for path in files:
         code.update(f"{path.relative_to(package).as_posix()}\0{sha256_file(path)}\n".encode())
+    if not any(st.racy(now) for st in stats):  # a file edited as it was read: hash it again
+        _CODE_DIGESTS[package] = (listing, code.hexdigest())
     return code.hexdigest()
+
+
+#: keying_code_digest's, by package folder: each file with its stat, and their digest.
+_CODE_DIGESTS: dict[Path, tuple[tuple[tuple[str, FileStat], ...], str]] = {}
 
 
 def transformers_as_installed() -> bool:
