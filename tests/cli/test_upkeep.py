@@ -303,31 +303,11 @@ def test_options_for_the_other_kind_of_store_are_said_to_do_nothing(
     ), sized.stderr
 
 
-#: Runs each command of argv[1] (a JSON list of argument lists) through the CLI's main in one
-#: process; prints each one's output, a separator, and at the end whether the process loaded
-#: torch (what a later import would bring back into every upkeep command).
-NO_TORCH_SCRIPT = """
-import json, sys
-from featbake.cli.main import main
-for argv in json.loads(sys.argv[1]):
-    try:
-        main(argv)
-    except SystemExit as e:
-        assert not e.code, (argv, e.code)
-    print("\\x1e", flush=True)
-print(json.dumps("torch" in sys.modules))
-"""
-
-
 @pytest.mark.slow
 def test_upkeep_commands_never_import_torch(baked: dict, store_dir: Path) -> None:
     """stats, roots, roots drop, gc (plan, drop, sweep), verify, merge and --help read the
     catalog and the shards' bytes with no tensor: they must not pay torch's import (~1 s of
     a ~1.9 s `featbake stats`), and they still say what they said with it."""
-    import os
-    import subprocess
-    import sys
-
     a, b = baked["a"], baked["b"]
     cache = ["--cache", str(store_dir)]
     commands = [
@@ -342,18 +322,9 @@ def test_upkeep_commands_never_import_torch(baked: dict, store_dir: Path) -> Non
         ["gc", "--help"],
         ["export", "--help"],
     ]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    env["COLUMNS"] = "200"
-    proc = subprocess.run(
-        [sys.executable, "-c", NO_TORCH_SCRIPT, json.dumps(commands)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    *outputs, loaded = proc.stdout.split("\x1e\n")
-    assert loaded.strip() == "false", "an upkeep command imported torch"
+    ran = commands_then_modules(commands)
+    assert all(r.code == 0 and not r.imported for r in ran), [(r.code, r.imported) for r in ran]
+    outputs = ["\n".join(r.out) for r in ran]
     stats, roots, verify, drop, dry, gc, merge, app_help, gc_help, export_help = outputs
     assert json.loads(stats)["features"] == 20
     assert {r["name"]: r["items"] for r in json.loads(roots)} == {a.root: 16, b.root: 4}
