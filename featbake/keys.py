@@ -1616,11 +1616,40 @@ def reached_code(code: Any, cls: type | None) -> list[Any]:
         seen.append(now)
         todo += [c for c in now.co_consts if inspect.iscode(c)]
         if cls is not None:
-            for name in now.co_names:
+            for name in attribute_names(now):
                 func = method_function(inspect.getattr_static(cls, name, None))
                 if inspect.isfunction(func):
                     todo.append(func.__code__)
     return seen
+
+
+def attribute_names(code: Any) -> frozenset[str]:
+    """The names ``code`` uses as an attribute of some object (``self.record(x)``,
+    ``x.float()``, ``self.pe = ...``), not those it uses only as a global or an import:
+    ``float(x)`` calls the builtin, not ``nn.Module.float`` (which hands ``self`` on, so a
+    class reaching it would record into no attribute). Kept per code object.
+
+    Example:
+        >>> def forward(self, x):
+        ...     return float(x) + self.scale(x)
+        >>> sorted(attribute_names(forward.__code__))
+        ['scale']
+    """
+    kept = _ATTRIBUTE_NAMES.get(code)
+    if kept is None:
+        ops = dis.get_instructions(code)
+        kept = frozenset(op.argval for op in ops if op.opname in _NAMED_ATTRIBUTE_OPS)
+        _ATTRIBUTE_NAMES[code] = kept
+    return kept
+
+
+#: The ops that name an attribute of an object (3.12 adds ``LOAD_SUPER_ATTR``).
+_NAMED_ATTRIBUTE_OPS = frozenset(
+    {"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR", "STORE_ATTR", "DELETE_ATTR"}
+)
+#: attribute_names's, by code object (code objects are hashable by value and kept alive here,
+#: as a class's methods are for the life of the process).
+_ATTRIBUTE_NAMES: dict[Any, frozenset[str]] = {}
 
 
 def method_function(found: Any) -> Any:

@@ -136,7 +136,9 @@ def test_an_unchanged_held_setting_serves_hits(tmp_path: Path, audio_dir: Path, 
 
 
 class _RecordsIntoALog(_DictSettings):
-    """A forward that records into a dict it never reads back: derived state, not a setting."""
+    """A forward that records into a dict it never reads back: derived state, not a setting.
+    It calls the builtin ``float``, which was read as ``nn.Module.float`` (that hands ``self``
+    on, so no attribute read as recorded into) until ``keys.attribute_names``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -144,7 +146,7 @@ class _RecordsIntoALog(_DictSettings):
 
     def forward(self, wav: torch.Tensor) -> torch.Tensor:
         out = super().forward(wav)
-        self.seen["last"] = out.mean().item()
+        self.seen["last"] = float(out.mean())
         return out
 
 

@@ -292,7 +292,6 @@ _LIBRARY_DERIVED = {
     "torch.nn.modules.rnn.GRU": ["_flat_weight_refs"],
     "torch.nn.modules.rnn.LSTM": ["_flat_weight_refs"],
     "torch.nn.modules.rnn.RNN": ["_flat_weight_refs"],
-    "torch.nn.modules.rnn.RNNBase": ["_flat_weight_refs"],
     **{
         f"transformers.models.wav2vec2.modeling_wav2vec2.{name}": ["_hf_peft_config_loaded"]
         for name in (
@@ -308,7 +307,10 @@ _LIBRARY_DERIVED = {
 
 def test_library_module_classes_derive_what_they_did() -> None:
     """Every module class of ``torch.nn`` and transformers' wav2vec2, whisper and bert: the
-    attributes read as derived state are the ones pinned (on 5170a1f too)."""
+    attributes read as derived state are the ones pinned (on 5170a1f too). ``RNNBase`` (no
+    forward of its own) left the pin in round sixteen: the unimplemented forward's
+    ``type(self)`` was read as ``nn.Module.type``, reaching ``_apply``; a global name is no
+    attribute (``keys.attribute_names``)."""
     pytest.importorskip("transformers")
     modules = [
         torch.nn,
