@@ -137,18 +137,18 @@ def reads_held_attributes(module: Any) -> bool:
 
 def held_attribute(key: str, value: Any) -> bool:
     """Whether attribute ``key`` holding ``value`` is read as a hook's held value is
-    (:func:`held_attribute_text`): anything but a plain value, a tensor or array, a module, a
-    class or a Python module (each read by the rules it had), a list, tuple or dict holding
+    (:func:`held_attribute_text`): anything but a plain value, a tensor, a module, a class
+    or a Python module (each read by the rules it had), a list, tuple or dict holding
     tensors (read by their versions), or ``forward`` set on the instance (refused while it
     differs: no key reads it): a settings dict, a ``SimpleNamespace``, ``argparse.Namespace``
     or dataclass, a config object, a function or lambda, a partial, a bound method, a builtin
-    bound to an object (a settings dict's ``get``)."""
+    bound to an object (a settings dict's ``get``), a numpy array (a window, a mean)."""
     if key == "forward" or _primitive(value) or isinstance(value, _READ_OTHERWISE):
         return False
     return not contained_tensors("", value) if type(value) in (list, tuple, dict) else True
 
 
-_READ_OTHERWISE = (torch.Tensor, np.ndarray, torch.nn.Module, type, types.ModuleType)
+_READ_OTHERWISE = (torch.Tensor, torch.nn.Module, type, types.ModuleType)
 
 
 def held_attribute_text(module: Any, value: Any, *, exact: bool) -> str | None:
@@ -157,8 +157,12 @@ def held_attribute_text(module: Any, value: Any, *, exact: bool) -> str | None:
     defaults, a partial by its function and arguments, a bound method by its function and
     object), ``module``'s own submodules and tensors by their type (its key reads them).
     None where the reading meets what no key reads (another module, a tensor, an address):
-    left out of the key as before, not refused. ``exact``: as a key reads it (a global
-    module's weights hashed anew); else as a watch reads it at each forward.
+    left out of the key as before, not refused. A numpy array by its values
+    (:func:`global_tensor_digest`, as a hook's global array). ``exact``: as a key reads it
+    (an array or a global module's weights hashed anew); else as a watch reads it at each
+    forward: an array of up to :data:`WATCHED_ARRAY_BYTES` hashed anew too (it keeps no
+    version, so an edit in place shows only in its bytes), a larger one kept while its stamp
+    holds, as a hook's global array is (an edit in place is seen at the next exact check).
 
     Example:
         >>> import functools
@@ -166,9 +170,18 @@ def held_attribute_text(module: Any, value: Any, *, exact: bool) -> str | None:
         >>> held_attribute_text(torch.nn.Identity(), rounding, exact=True)
         'held:partial(builtin(round,),ndigits=2)'
     """
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            return None  # an array of objects: its bytes are addresses
+        exact = exact or value.nbytes <= WATCHED_ARRAY_BYTES
+        return f"held:ndarray({global_tensor_digest(value, exact=exact)})"
     reading = HeldReading(_TreeIds(module), exact=exact)
     text = reading.text(value)
     return None if reading.refused else f"held:{text}"
+
+
+#: The largest numpy array attribute a watch hashes at every forward (about 0.1 ms).
+WATCHED_ARRAY_BYTES = 64 << 10
 
 
 class _TreeIds(Container[int]):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -64,6 +65,15 @@ class _ListOfDicts(TinyConvEncoder):
         return super().forward(wav) * self.stages[0]["scale"] * self.stages[1]["scale"]
 
 
+class _ArrayWindow(TinyConvEncoder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.window = np.array([2.0, 1.0], dtype=np.float32)
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return super().forward(wav) * float(self.window[0])
+
+
 class _HeldCallables(TinyConvEncoder):
     """``act``: a partial of library code holding a number; ``pick``: a bound ``dict.get``."""
 
@@ -82,6 +92,8 @@ CHANGES = {
     "namespace-edited": (_NamespaceSettings, lambda m: setattr(m.cfg, "scale", 3.0)),
     "dataclass-edited": (_DataclassSettings, lambda m: setattr(m.cfg, "scale", 3.0)),
     "list-of-dicts-edited": (_ListOfDicts, lambda m: m.stages[1].__setitem__("scale", 3.0)),
+    "array-edited": (_ArrayWindow, lambda m: m.window.__setitem__(0, 3.0)),
+    "array-replaced": (_ArrayWindow, lambda m: setattr(m, "window", m.window * 1.5)),
     "lambda-set": (_HeldCallables, lambda m: setattr(m, "act", lambda t: t * 3.0)),
     "partial-keywords-edited": (_HeldCallables, lambda m: m.act.keywords.__setitem__("other", 3.0)),
     "bound-get-dict-edited": (_HeldCallables, lambda m: m.pick.__self__.__setitem__("scale", 3.0)),
@@ -106,13 +118,15 @@ def test_a_held_setting_changed_between_runs_is_not_served_stale(
 def test_a_held_setting_changed_under_an_open_cached_encoder_is_not_served_stale(
     tmp_path: Path, how: str
 ) -> None:
-    """r16.2: changed between two calls of one ``CachedEncoder`` (its RAM tier warm): the
-    watch reads the held values at each call (an edit in place keeps the object's id)."""
+    """r16.2: changed after three calls of one ``CachedEncoder`` (its RAM tier warm, its
+    watch past the exact reads of its first calls): the watch reads the held values at each
+    call (an edit in place keeps the object's id)."""
     cls, change = CHANGES[how]
     module = frozen(cls())
     x = waves(2)
     cached = CachedEncoder(module, cache=tmp_path / "c")
-    cached(x, ids=["a", "b"])
+    for _ in range(3):
+        cached(x, ids=["a", "b"])
     change(module)
     with torch.inference_mode():
         now = module(x)
