@@ -87,16 +87,23 @@ def _assert_live(ds: CachedFeatureDataset, module: torch.nn.Module, n: int) -> N
         torch.testing.assert_close(ds[i], _live(module, ds.path(i)))
 
 
+def _served_live_after(
+    audio_dir: Path, module: Any, tmp_path: Path, change: Any, *, n: int = 1
+) -> None:
+    """A first dataset over ``module`` bakes its first item; then ``change()`` (the next run's
+    setting) and a second dataset on the same store (its default ``on_miss``) serves its first
+    ``n`` items equal to ``module`` run now (a stale key serves the first run's features)."""
+    second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
+    _assert_live(second, module, n)
+
+
 def _served_live_after_a_new_scale(audio_dir: Path, module: Any, tmp_path: Path) -> None:
-    """A first dataset over ``module`` bakes its first item; then ``module.scale`` is set to
-    3.0 (the next run's setting) and a second dataset on the same store serves that item equal
-    to ``module`` run now (a stale key serves 2.0's features)."""
+    """:func:`_served_live_after` ``module.scale`` is set to 3.0 (2.0's features are stale)."""
 
     def change() -> None:
         module.scale = torch.tensor(3.0)
 
-    second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
-    _assert_live(second, module, 1)
+    _served_live_after(audio_dir, module, tmp_path, change)
 
 
 def _refusal(audio_dir: Path, module: torch.nn.Module, tmp_path: Path, match: str) -> str:

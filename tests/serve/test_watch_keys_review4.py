@@ -24,6 +24,7 @@ from tests.serve.test_watch_keys import (
     _baked_then_reopened,
     _hooked,
     _refusal,
+    _served_live_after,
     _served_live_after_a_new_scale,
     _user_package,
 )
@@ -191,8 +192,7 @@ def test_a_setting_read_back_through_a_callable_the_instance_holds_stays_keyed(
     def change() -> None:
         module.scale = torch.tensor(3.0)
 
-    second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
-    _assert_live(second, module, 1)
+    _served_live_after(audio_dir, module, tmp_path, change)
 
 
 # -- what must stay derived: a table made anew through the user's own functions --------------------
@@ -285,8 +285,7 @@ def test_a_setting_made_anew_on_one_path_only_stays_keyed(
     def change() -> None:
         module.scale = torch.tensor(3.0)
 
-    second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
-    _assert_live(second, module, 1)
+    _served_live_after(audio_dir, module, tmp_path, change)
 
 
 class _LazyExtended(TinyConvEncoder):
@@ -413,8 +412,7 @@ def _served_after_gain_change(
     def change() -> None:
         monkeypatch.setattr(sys.modules[settings], "GAIN", 3.0)
 
-    second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
-    _assert_live(second, module, 1)
+    _served_live_after(audio_dir, module, tmp_path, change)
 
 
 IMPORTED = [

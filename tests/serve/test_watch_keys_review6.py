@@ -25,6 +25,7 @@ from tests.serve.test_watch_keys import (
     _baked_then_reopened,
     _hooked,
     _refusal,
+    _served_live_after,
     _served_live_after_a_new_scale,
     _user_package,
 )
@@ -241,8 +242,7 @@ def test_a_setting_read_back_through_what_the_instance_holds_stays_keyed(
     def change() -> None:
         module.scale = torch.tensor(3.0)
 
-    second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
-    _assert_live(second, module, 1)
+    _served_live_after(audio_dir, module, tmp_path, change)
 
 
 # -- what must stay derived: a value made by a submodule or a library function the instance holds --

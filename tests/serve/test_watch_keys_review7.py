@@ -19,7 +19,13 @@ from featbake.serve.cached_encoder import CachedEncoder
 from featbake.testing import TinyConvEncoder
 from tests.serve.test_cached_encoder import frozen, waves
 from tests.serve.test_misses import _HiddenLayer
-from tests.serve.test_watch_keys import _assert_live, _baked_then_reopened, _first_dataset, _live
+from tests.serve.test_watch_keys import (
+    _assert_live,
+    _baked_then_reopened,
+    _first_dataset,
+    _live,
+    _served_live_after,
+)
 from tests.serve.test_watch_keys_review3 import _Scaled
 from tests.serve.test_watch_keys_review4 import _current
 
@@ -121,10 +127,7 @@ def test_a_setting_read_through_a_submodule_or_set_late_stays_keyed(
     """Each passed on the merged code: ``scale`` is keyed where the next run reads it."""
     cls, change = HELD[shape]
     module = cls().eval()
-    second = _baked_then_reopened(
-        audio_dir, module, tmp_path, change=lambda: change(module), on_miss=None
-    )
-    _assert_live(second, module, 1)
+    _served_live_after(audio_dir, module, tmp_path, lambda: change(module))
 
 
 # -- held: a submodule's own setting, where the owner keeps what the submodule made ----------------
@@ -161,8 +164,7 @@ def test_a_submodules_own_setting_is_keyed_where_the_owner_keeps_what_it_made(
     def change() -> None:
         module.gain.value = 3.0
 
-    second = _baked_then_reopened(audio_dir, module, tmp_path / "b", change=change, on_miss=None)
-    _assert_live(second, module, 1)
+    _served_live_after(audio_dir, module, tmp_path / "b", change)
 
 
 def test_module_derived_reads_the_instance_at_each_call() -> None:
@@ -256,8 +258,7 @@ def test_a_scripted_modules_setting_changed_is_not_served_stale(
     def change() -> None:
         module.scale = 3.0
 
-    second = _baked_then_reopened(audio_dir, module, tmp_path, change=change, on_miss=None)
-    _assert_live(second, module, 1)
+    _served_live_after(audio_dir, module, tmp_path, change)
 
 
 def test_a_scripted_modules_setting_changed_under_an_open_dataset_is_not_served_stale(
@@ -316,10 +317,7 @@ def test_a_callable_attribute_replaced_or_edited_is_not_served_stale(
     (``identity.held_attribute_text``); it was neither keyed nor watched."""
     module = _HeldCallable().eval()
     assert "act" not in module_derived(module) and "get" not in module_derived(module)
-    second = _baked_then_reopened(
-        audio_dir, module, tmp_path, change=lambda: CALLABLES[how](module), on_miss=None
-    )
-    _assert_live(second, module, 1)
+    _served_live_after(audio_dir, module, tmp_path, lambda: CALLABLES[how](module))
 
 
 # -- the reverse: library encoders serve hits on a second pass -------------------------------------
