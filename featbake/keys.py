@@ -1643,10 +1643,9 @@ def attribute_names(code: Any) -> frozenset[str]:
     return kept
 
 
-#: The ops that name an attribute of an object (3.12 adds ``LOAD_SUPER_ATTR``).
-_NAMED_ATTRIBUTE_OPS = frozenset(
-    {"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR", "STORE_ATTR", "DELETE_ATTR"}
-)
+#: The ops that name an attribute of an object: its loads (:data:`_ATTRIBUTE_LOADS`; 3.12 adds
+#: ``LOAD_SUPER_ATTR``), writes and deletes.
+_NAMED_ATTRIBUTE_OPS = _ATTRIBUTE_LOADS | {"LOAD_SUPER_ATTR", "STORE_ATTR", "DELETE_ATTR"}
 #: attribute_names's, by code object (code objects are hashable by value and kept alive here,
 #: as a class's methods are for the life of the process).
 _ATTRIBUTE_NAMES: dict[Any, frozenset[str]] = {}

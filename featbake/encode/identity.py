@@ -120,7 +120,7 @@ def attribute_identity(module: Any) -> str:
                 continue
             if _primitive(value):
                 rows.append([name, key, repr(value)])
-            elif held and key not in derived and held_attribute(key, value):
+            elif held and held_attribute(key, value, derived):
                 text = held_attribute_text(sub, value, exact=True)
                 if text is not None:
                     rows.append([name, key, text])
@@ -135,15 +135,18 @@ def reads_held_attributes(module: Any) -> bool:
     return not is_library_code(type(module))
 
 
-def held_attribute(key: str, value: Any) -> bool:
+def held_attribute(key: str, value: Any, derived: frozenset[str]) -> bool:
     """Whether attribute ``key`` holding ``value`` is read as a hook's held value is
-    (:func:`held_attribute_text`): anything but a plain value, a tensor, a module, a class
-    or a Python module (each read by the rules it had), a list, tuple or dict holding
+    (:func:`held_attribute_text`): anything but derived state (``derived``: what the forward
+    writes or records into, :func:`module_derived`), a plain value, a tensor, a module, a
+    class or a Python module (each read by the rules it had), a list, tuple or dict holding
     tensors (read by their versions), or ``forward`` set on the instance (refused while it
     differs: no key reads it): a settings dict, a ``SimpleNamespace``, ``argparse.Namespace``
     or dataclass, a config object, a function or lambda, a partial, a bound method, a builtin
     bound to an object (a settings dict's ``get``), a numpy array (a window, a mean)."""
-    if key == "forward" or _primitive(value) or isinstance(value, _READ_OTHERWISE):
+    if key in derived or key == "forward" or _primitive(value):
+        return False
+    if isinstance(value, _READ_OTHERWISE):
         return False
     return not contained_tensors("", value) if type(value) in (list, tuple, dict) else True
 

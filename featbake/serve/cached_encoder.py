@@ -332,8 +332,7 @@ def _held_attributes(
     return tuple(
         k
         for k in public
-        if k not in derived
-        and held_attribute(k, attrs[k])
+        if held_attribute(k, attrs[k], derived)
         and held_attribute_text(sub, attrs[k], exact=False) is not None
     )
 
@@ -648,7 +647,7 @@ def structure_read(module: nn.Module) -> Structure:
                 continue
             if is_plain(value):
                 plain.append([name, key, repr(value)])
-            elif reads_held and key not in derived and held_attribute(key, value):
+            elif reads_held and held_attribute(key, value, derived):
                 text = held_attribute_text(sub, value, exact=True)
                 plain += [[name, key, text]] if text is not None else []
             elif _unkeyed(key, value):

@@ -18,10 +18,15 @@ import pytest
 import torch
 
 from featbake.encode.identity import attribute_identity, held_attribute, held_attribute_text
+from featbake.keys import module_derived
 from featbake.serve.cached_encoder import CachedEncoder
 from featbake.testing import TinyConvEncoder
 from tests.serve.test_cached_encoder import frozen, waves
-from tests.serve.test_watch_keys import _assert_live, _baked_then_reopened
+from tests.serve.test_watch_keys import (
+    _assert_live,
+    _baked_then_reopened,
+    _served_live_after,
+)
 
 
 class _DictSettings(TinyConvEncoder):
@@ -108,10 +113,9 @@ def test_a_held_setting_changed_between_runs_is_not_served_stale(
     dataset served the first run's features."""
     cls, change = CHANGES[how]
     module = cls().eval()
-    second = _baked_then_reopened(
-        audio_dir, module, tmp_path, change=lambda: change(module), on_miss=None
+    _served_live_after(
+        audio_dir, module, tmp_path, lambda: change(module), n=2 if how == "dict-edited" else 1
     )
-    _assert_live(second, module, 2 if how == "dict-edited" else 1)
 
 
 @pytest.mark.parametrize("how", list(CHANGES))
@@ -195,18 +199,11 @@ def test_a_held_value_no_key_can_read_is_left_out_not_refused(
     each process would never hit), the rest of the module still keyed: its dict edited is
     not served stale, and unchanged it serves hits."""
     module = frozen(_HoldsWhatNoKeyReads())
-    assert held_attribute("handle", module.handle)
+    assert held_attribute("handle", module.handle, module_derived(module))
     assert held_attribute_text(module, module.handle, exact=True) is None
     again = _baked_then_reopened(audio_dir, module, tmp_path / "a", n=2)  # on_miss="error"
     _assert_live(again, module, 2)
-    second = _baked_then_reopened(
-        audio_dir,
-        module,
-        tmp_path,
-        change=lambda: module.cfg.__setitem__("scale", 3.0),
-        on_miss=None,
-    )
-    _assert_live(second, module, 1)
+    _served_live_after(audio_dir, module, tmp_path, lambda: module.cfg.__setitem__("scale", 3.0))
 
 
 def test_a_library_modules_held_values_keep_the_key_they_had() -> None:
