@@ -387,8 +387,8 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
             f"this process is {spec.describe()}, and an engine spreads the build itself: run "
             "one `featbake build --engine ray` (no --shard, torchrun or SLURM array)"
         )
-    # An engine starts (its cluster, its workers) while this process lists and stats the
-    # inputs; it may hash those the hash cache does not know (Engine.digester).
+    # An engine starts (its cluster, its workers) once needed, beside this process's hashing;
+    # it may hash the inputs the hash cache does not know (Engine.digester).
     with started(engine) as engine:
         dev = check_device(device_for_rank(str(device), spec)) if engine is None else _cpu(device)
         on_gpu = dev.type != "cpu"
@@ -1209,9 +1209,9 @@ class Engine(Protocol):
     """Runs a build's encode step on workers of its own (see the section comment)."""
 
     def started(self) -> contextlib.AbstractContextManager[Engine]:
-        """This engine starting (its cluster connected, say) while the build lists and stats
-        its inputs, and stopped when the build is done: what ``digester`` and ``encode`` run
-        on."""
+        """This engine, starting (its cluster connected, say) beside the build's listing and
+        hashing once the build needs it, and stopped when the build is done: what
+        ``digester`` and ``encode`` run on."""
         ...
 
     def encode(

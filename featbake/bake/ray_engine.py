@@ -34,6 +34,7 @@ import json
 import os
 import pickle
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -206,17 +207,62 @@ def ray_session(address: str | None) -> Iterator[Any]:
     # not the machine's), and no runtime_env: its workers inherit this process's environment
     # (PYTHONPATH included), and a job with a runtime_env cannot use the workers Ray starts
     # ahead with the instance, so each actor would wait for a process of its own to start.
-    ray.init(
-        address=address,
-        num_cpus=process_cpus() if address == "local" else None,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level="ERROR",
-    )
+    unanswered = nothing_answers(ray, address)
+    if unanswered is not None:
+        raise ConfigError(ray_unreached(address, ConnectionError(unanswered)))
+    try:
+        ray.init(
+            address=address,
+            num_cpus=process_cpus() if address == "local" else None,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level="ERROR",
+        )
+    except (ValueError, ConnectionError, RuntimeError) as e:  # ray.init's own errors
+        raise ConfigError(ray_unreached(address, e)) from None
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+#: Seconds a TCP connect to a Ray address may take before the build says nothing answers.
+ADDRESS_CONNECT_S = 5.0
+
+
+def nothing_answers(ray: Any, address: str) -> str | None:
+    """Why nothing answers at ``address`` (``host:port``: a refused or timed-out TCP connect),
+    or None (it answers, or it is not a host and port: ``"local"``, ``"auto"``, ``ray://``).
+
+    ``ray.init`` retries an address nothing listens at for about 13 minutes (20 tries of
+    about 40 s) before it raises; a mistyped port is said at once instead. ``localhost``
+    is tried at this node's address, as Ray connects to it."""
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")  # an IPv6 address: [::1]:6379
+    if not sep or not port.isdigit() or "://" in address or not host:
+        return None
+    if host in ("localhost", "127.0.0.1", "::1"):
+        host = ray.util.get_node_ip_address()
+    try:
+        socket.create_connection((host, int(port)), timeout=ADDRESS_CONNECT_S).close()
+    except OSError as e:
+        return f"nothing answers at {host}:{port} ({e.strerror or type(e).__name__})"
+    return None
+
+
+def ray_unreached(address: str, error: BaseException) -> str:
+    """The one line of a build whose Ray did not start (``"local"``) or connect (an address),
+    with what to do."""
+    if address == "local":
+        return (
+            f"a local Ray instance did not start: {first_line(error)}; see Ray's logs under "
+            "/tmp/ray, or give a running cluster's address with --ray-address"
+        )
+    return (
+        f"Ray did not connect to {address!r} (--ray-address, else $RAY_ADDRESS): "
+        f"{first_line(error)}; give a running cluster's address (the host:port `ray start` "
+        "prints on its head node), or none for a local Ray instance started for the build"
+    )
 
 
 def quiet(ray: Any) -> None:
@@ -271,10 +317,10 @@ class RayEngine:
 
     @contextlib.contextmanager
     def started(self) -> Iterator[Engine]:
-        """This engine with Ray connecting on a thread while the build lists and stats its
-        inputs (``ray.init`` of a local instance takes seconds: starting its processes; the
-        build waits for it before its first hashing task, or before encoding), and Ray
-        stopped after the build if the build started it."""
+        """This engine with Ray connecting on a thread once the build needs it (inputs the
+        hash cache does not know: while they are hashed; else the first encoding; see
+        :class:`Connecting`: ``ray.init`` of a local instance takes seconds, starting its
+        processes), and Ray stopped after the build if the build started it."""
         connecting = Connecting(self.address)
         try:
             yield ConnectedEngine(self, connecting)
@@ -329,25 +375,38 @@ class RayEngine:
 
 
 class Connecting:
-    """:func:`ray_session` held by a thread of its own (Ray imported and connected while the
-    build lists and stats its inputs), left by :meth:`close`; what connecting raised is raised
-    by :meth:`wait`, when Ray is needed (the first hashing task, else the encoding).
+    """:func:`ray_session` held by a thread of its own, started when the build first needs Ray
+    (:meth:`start`) and left by :meth:`close`; what connecting raised is raised by
+    :meth:`wait`, when Ray is needed (the first hashing task, else the encoding).
+
+    A build starts it when it finds inputs the hash cache does not know (Ray connects while
+    this process hashes them, or before the first hashing task), else when it has features
+    to encode: a rebuild with nothing to do starts no Ray (a local instance's start and stop
+    are seconds, three times such a rebuild's own time).
 
     The thread that started a local instance lives as long as the instance: Ray's processes
     are killed when the thread that started them ends (``PR_SET_PDEATHSIG``)."""
 
     def __init__(self, address: str | None) -> None:
+        self.address = address
         self.error: BaseException | None = None
         self.connected = threading.Event()
         self.done = threading.Event()
-        self.thread = threading.Thread(
-            target=self._hold, args=(address,), name="featbake-ray-session", daemon=True
-        )
-        self.thread.start()
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
 
-    def _hold(self, address: str | None) -> None:
+    def start(self) -> None:
+        """Start connecting on the session's thread, unless it has started."""
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self._hold, name="featbake-ray-session", daemon=True
+                )
+                self.thread.start()
+
+    def _hold(self) -> None:
         try:
-            with ray_session(address) as ray:
+            with ray_session(self.address) as ray:
                 quiet(ray)
                 self.connected.set()
                 self.done.wait()
@@ -357,15 +416,20 @@ class Connecting:
             self.connected.set()
 
     def wait(self) -> None:
-        """Return once Ray is connected; raise what connecting raised (Ray not installed)."""
+        """Return once Ray is connected (started now if it was not); raise what connecting
+        raised (Ray not installed, an address that does not answer)."""
+        self.start()
         self.connected.wait()
         if self.error is not None:
             raise self.error
 
     def close(self) -> None:
-        """Leave the session: Ray stopped if this started it."""
+        """Leave the session, if one was started: Ray stopped if this started it."""
         self.done.set()
-        self.thread.join()
+        with self.lock:
+            thread = self.thread
+        if thread is not None:
+            thread.join()
 
 
 @dataclass(frozen=True)
@@ -439,6 +503,7 @@ class ClusterDigests:
     connecting: Connecting | None = None
 
     def __call__(self, place: BytePlace, asks: Sequence[DigestAsk]) -> Iterator[Digested]:
+        self.needed(len(asks))
         if hash_site(len(asks), self.cluster_from) is HashSite.DRIVER:
             return digest_here(place, asks)
         return self.on_cluster(asks, digested_by_tasks)
@@ -448,9 +513,16 @@ class ClusterDigests:
         (a tar shard, a table file) read in Ray tasks when they hold enough new items (members,
         cells: :func:`hash_site` counts items, as it counts a folder's files), else on the
         driver (:func:`~featbake.encode.fingerprints.read_here`)."""
+        self.needed(len(asks))
         if hash_site(sum(a.items for a in asks), self.cluster_from) is HashSite.DRIVER:
             return read_here(asks)
         return self.on_cluster(asks, containers_read_by_tasks)
+
+    def needed(self, new: int) -> None:
+        """Start connecting to Ray where the build has ``new`` inputs the hash cache does not
+        know: new inputs are mostly encoded, so Ray starts while they are hashed here."""
+        if new and self.connecting is not None:
+            self.connecting.start()
 
     def on_cluster(
         self, asks: Sequence[A], by_tasks: Callable[[Any, Sequence[A]], Iterator[T]]

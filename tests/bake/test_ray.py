@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import tarfile
@@ -231,12 +232,78 @@ def test_cli_ray_build_starts_its_own_ray_while_it_hashes(
     report = json.loads(proc.stdout)
     assert (report["encoded"], report["failed"], report["merged"]) == (6, [], True)
     assert assert_live(store, report["root"], clips, encoder_file) == 6
-    nothing_to_do = run_cli(*args, "--engine", "ray", "--workers", "1")  # Ray up, then stopped
-    assert nothing_to_do.returncode == 0, nothing_to_do.stderr
+    # Nothing to do: no Ray is started or connected to (a local instance's start and stop
+    # are seconds of a no-op rebuild). The address given is a socket of the test's, which
+    # would see any connection to it (featbake's check of the port, or ray.init's).
+    with socket.create_server(("", 0)) as listener:  # every interface: Ray dials the node's
+        listener.setblocking(False)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        nothing_to_do = run_cli(*args, "--engine", "ray", "--workers", "1",
+                                "--ray-address", address)  # fmt: skip
+        assert nothing_to_do.returncode == 0, nothing_to_do.stderr
+        with pytest.raises(BlockingIOError):  # nobody dialled it
+            listener.accept()
     assert (
         json.loads(nothing_to_do.stdout)["encoded"],
         json.loads(nothing_to_do.stdout)["reused"],
     ) == (0, 6)
+
+
+def closed_address() -> str:
+    """``127.0.0.1:port`` where nothing listens (a port the kernel gave, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_ray_address_nothing_answers_at_is_one_line_at_once_and_loses_nothing(
+    clips: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    # ray.init retries such an address for about 13 minutes before it raises; the build
+    # tries the port first. The first build finds 6 new inputs: Ray is needed, and refused.
+    store = tmp_path / "store"
+    address = closed_address()
+    args = ["build", "-e", encoder_file, "-d", clips, "--cache", store, "--json"]
+    # A process of its own: this one may hold the module's Ray session, which a build uses.
+    proc = run_cli(*args, "--engine", "ray", "--workers", "1", "--ray-address", address)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"Ray did not connect to '{address}'" in errors[0], errors[0]
+    assert "nothing answers at" in errors[0] and "--ray-address" in errors[0], errors[0]
+    plain = invoke(*args)  # nothing was published: a plain build encodes all 6
+    assert plain.returncode == 0, plain.stderr
+    assert json.loads(plain.stdout)["encoded"] == 6
+
+
+@pytest.mark.parametrize("address", ["local", "auto", "ray://head:10001", "head:port", ":80"])
+def test_only_a_host_and_port_is_dialled_before_ray_init(address: str) -> None:
+    from featbake.bake.ray_engine import nothing_answers
+
+    assert nothing_answers(ray, address) is None  # Ray's own to read: no connect tried
+
+
+def test_a_name_that_does_not_resolve_answers_nothing() -> None:
+    from featbake.bake.ray_engine import nothing_answers
+
+    why = nothing_answers(ray, "no-such-host.invalid:6379")  # .invalid never resolves
+    assert why is not None and why.startswith("nothing answers at no-such-host.invalid:6379")
+
+
+def test_a_ray_build_of_inputs_the_hash_cache_knows_connects_to_encode(
+    ray_cluster: dict[str, str], clips: Path, encoder_file: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # A plain build filled the hash cache: a Ray build with other weights hashes nothing new,
+    # so Ray is first asked for by the encoding, and the features are those weights' own.
+    store = tmp_path / "store"
+    wait_past_racy(clips)  # else the rebuild hashes every input again, by the racy rule
+    build(clips, encoder_file, cache=store, workers=0)
+    other = save_torchscript(TinyConvEncoder(seed=3), tmp_path / "other.pt")
+    asked = asked_of_the_digester(monkeypatch)
+    report = build(clips, other, cache=store, engine=RayEngine(workers=1))
+    assert (asked, report.encoded, report.reused, report.failed) == ([], 6, 0, [])
+    assert assert_live(store, report.root, clips, other) == 6
 
 
 def test_a_local_ray_started_by_a_build_has_the_cpus_this_process_may_use() -> None:
