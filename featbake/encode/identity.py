@@ -118,13 +118,27 @@ def attribute_identity(module: Any) -> str:
         for key, value in public_attributes(sub).items():
             if not keyed_attribute(key) or derived_state(derived, key, value):
                 continue
-            if _primitive(value):
-                rows.append([name, key, repr(value)])
-            elif held and held_attribute(key, value, derived):
-                text = held_attribute_text(sub, value, exact=True)
-                if text is not None:
-                    rows.append([name, key, text])
+            row = attribute_row(name, sub, key, value, derived, held)
+            if row is not None:
+                rows.append(row)
     return attribute_digest(rows)
+
+
+def attribute_row(
+    name: str, sub: Any, key: str, value: Any, derived: frozenset[str], reads_held: bool
+) -> list[str] | None:
+    """The row :func:`attribute_identity` keys for attribute ``key`` (holding ``value``) of
+    submodule ``name`` (``sub``), a keyed name that is no derived state: a plain value by its
+    ``repr``, a held value (:func:`held_attribute`, where ``reads_held``) by
+    :func:`held_attribute_text`; None for what no such row reads (a tensor, a module, a held
+    value meeting what no key reads). Shared with the watch's exact read
+    (:func:`~featbake.serve.cached_encoder.structure_read`), so both key alike."""
+    if _primitive(value):
+        return [name, key, repr(value)]
+    if reads_held and held_attribute(key, value, derived):
+        text = held_attribute_text(sub, value, exact=True)
+        return None if text is None else [name, key, text]
+    return None
 
 
 def reads_held_attributes(module: Any) -> bool:

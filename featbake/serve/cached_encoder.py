@@ -46,6 +46,7 @@ from featbake.encode.identity import (
     GLOBAL_HOOKS,
     HOOK_DICTS,
     attribute_digest,
+    attribute_row,
     foreign_global_hooks,
     held_attribute,
     held_attribute_text,
@@ -645,12 +646,10 @@ def structure_read(module: nn.Module) -> Structure:
         for key, value in attrs.items():
             if not keyed_attribute(key) or derived_state(derived, key, value):
                 continue
-            if is_plain(value):
-                plain.append([name, key, repr(value)])
-            elif reads_held and held_attribute(key, value, derived):
-                text = held_attribute_text(sub, value, exact=True)
-                plain += [[name, key, text]] if text is not None else []
-            elif _unkeyed(key, value):
+            row = attribute_row(name, sub, key, value, derived, reads_held)
+            if row is not None:
+                plain.append(row)
+            elif _unkeyed(key, value):  # no held value is one (held_attribute)
                 unkeyed.append(_pinned(value))
                 version = _versions_in(key, value)
                 attributes.append((name, key, id(value), version))
