@@ -398,8 +398,9 @@ def build(
     ray_address: Annotated[
         str | None,
         typer.Option(
-            help="--engine ray: the cluster, e.g. ray://head:10001 or auto. [default: "
-            "$RAY_ADDRESS, else a local Ray instance started for the build]",
+            help="--engine ray: the cluster's address, e.g. 10.0.0.5:6379 (the host:port "
+            "`ray start` prints on its head node) or auto. [default: $RAY_ADDRESS, else a "
+            "local Ray instance started for the build once it has inputs to hash or encode]",
             show_default=False,
         ),
     ] = None,
