@@ -189,10 +189,7 @@ def test_a_setting_read_back_through_a_callable_the_instance_holds_stays_keyed(
     assert "scale" in derived_attributes(_ThroughCallableAttribute)
     assert "scale" not in module_derived(module)
 
-    def change() -> None:
-        module.scale = torch.tensor(3.0)
-
-    _served_live_after(audio_dir, module, tmp_path, change)
+    _served_live_after_a_new_scale(audio_dir, module, tmp_path)
 
 
 # -- what must stay derived: a table made anew through the user's own functions --------------------
@@ -282,10 +279,7 @@ def test_a_setting_made_anew_on_one_path_only_stays_keyed(
 ) -> None:
     module = cls().eval()
 
-    def change() -> None:
-        module.scale = torch.tensor(3.0)
-
-    _served_live_after(audio_dir, module, tmp_path, change)
+    _served_live_after_a_new_scale(audio_dir, module, tmp_path)
 
 
 class _LazyExtended(TinyConvEncoder):

@@ -25,7 +25,6 @@ from tests.serve.test_watch_keys import (
     _baked_then_reopened,
     _hooked,
     _refusal,
-    _served_live_after,
     _served_live_after_a_new_scale,
     _user_package,
 )
@@ -239,10 +238,7 @@ def test_a_setting_read_back_through_what_the_instance_holds_stays_keyed(
     module = HELD[shape]().eval()
     assert "scale" not in module_derived(module)
 
-    def change() -> None:
-        module.scale = torch.tensor(3.0)
-
-    _served_live_after(audio_dir, module, tmp_path, change)
+    _served_live_after_a_new_scale(audio_dir, module, tmp_path)
 
 
 # -- what must stay derived: a value made by a submodule or a library function the instance holds --
