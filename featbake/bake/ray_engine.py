@@ -209,7 +209,7 @@ def ray_session(address: str | None) -> Iterator[Any]:
     # ahead with the instance, so each actor would wait for a process of its own to start.
     unanswered = nothing_answers(ray, address)
     if unanswered is not None:
-        raise ConfigError(ray_unreached(address, ConnectionError(unanswered)))
+        raise ConfigError(ray_unreached(address, unanswered))
     try:
         ray.init(
             address=address,
@@ -219,7 +219,7 @@ def ray_session(address: str | None) -> Iterator[Any]:
             logging_level="ERROR",
         )
     except (ValueError, ConnectionError, RuntimeError) as e:  # ray.init's own errors
-        raise ConfigError(ray_unreached(address, e)) from None
+        raise ConfigError(ray_unreached(address, first_line(e))) from None
     try:
         yield ray
     finally:
@@ -250,17 +250,17 @@ def nothing_answers(ray: Any, address: str) -> str | None:
     return None
 
 
-def ray_unreached(address: str, error: BaseException) -> str:
-    """The one line of a build whose Ray did not start (``"local"``) or connect (an address),
-    with what to do."""
+def ray_unreached(address: str, why: str) -> str:
+    """The one line of a build whose Ray did not start (``"local"``) or connect (an address)
+    for reason ``why``, with what to do."""
     if address == "local":
         return (
-            f"a local Ray instance did not start: {first_line(error)}; see Ray's logs under "
+            f"a local Ray instance did not start: {why}; see Ray's logs under "
             "/tmp/ray, or give a running cluster's address with --ray-address"
         )
     return (
         f"Ray did not connect to {address!r} (--ray-address, else $RAY_ADDRESS): "
-        f"{first_line(error)}; give a running cluster's address (the host:port `ray start` "
+        f"{why}; give a running cluster's address (the host:port `ray start` "
         "prints on its head node), or none for a local Ray instance started for the build"
     )
 
