@@ -61,7 +61,9 @@ from featbake.encode.inputs import (
     carried_values,
     carry_to,
     digested_anywhere,
+    falling_back_to,
     inputs_at,
+    takes_paths_from_workdir,
     workdir_of,
 )
 from featbake.encode.loaders import is_import_path, load_encoder
@@ -135,7 +137,9 @@ def catalog_for_part(
 def scanned_inputs(place: Inputs, layout: Layout, extensions: Sequence[str]) -> ScanResult:
     """``place``'s scan; tars in a bucket look up their member listings in the store's hash
     cache (read-only here: the build records new ones as it hashes), so a rebuild over unchanged
-    shards reads no tar header again."""
+    shards reads no tar header again. A Kaldi folder or cut manifest takes a relative path it
+    does not find from here from the folder its last build took it from."""
+    falling_back_to(place, last_build_workdir(place, layout))
     if not (isinstance(place, (WebDataset, Table)) and place.remote):
         return place.scan(extensions)
     try:
@@ -150,6 +154,24 @@ def scanned_inputs(place: Inputs, layout: Layout, extensions: Sequence[str]) -> 
             return place.scan(extensions)
         finally:
             place.known = None
+
+
+def last_build_workdir(place: Inputs, layout: Layout) -> str:
+    """The folder the last build of ``place`` took its relative paths from (its newest root's
+    :attr:`~featbake.store.roots.Root.workdir`; ``""`` if none, or if ``place`` does not take
+    them from the working directory). A rebuild run from another directory reads a path it
+    does not find from there where that build read it: before, it failed every such row and
+    published a root without them, whose features a gc then deleted."""
+    if not takes_paths_from_workdir(place):
+        return ""
+    try:
+        known = Catalog(layout, read_only=True)
+        if not known.path.exists():
+            return ""
+    except (StoreError, sqlite3.Error):
+        return ""
+    with contextlib.closing(known):
+        return next((r.workdir for r in known.roots() if r.data == place.where and r.workdir), "")
 
 
 @contextmanager

@@ -544,7 +544,30 @@ def workdir_of(inputs: Inputs) -> str:
     whose paths do not depend on the working directory."""
     from featbake.encode.manifests import RowInputs
 
-    return inputs.workdir if isinstance(inputs, RowInputs) else ""
+    return inputs.taken_from() if isinstance(inputs, RowInputs) else ""
+
+
+def falling_back_to(inputs: Inputs, build_workdir: str) -> None:
+    """Have ``inputs`` (a Kaldi folder or a cut manifest opened in this process's working
+    directory) take a relative path it does not find there from ``build_workdir``, the folder
+    its root's build took them from (:attr:`featbake.store.roots.Root.workdir`): a dataset run
+    from another directory then reads a file changed since its build as it is now, where it
+    would otherwise serve it as built. Set before the scan; nothing for other kinds."""
+    from featbake.encode.manifests import RowInputs
+
+    if takes_paths_from_workdir(inputs):
+        assert isinstance(inputs, RowInputs)
+        inputs.build_workdir = build_workdir
+
+
+def takes_paths_from_workdir(inputs: Inputs) -> bool:
+    """Whether ``inputs`` takes relative paths from this process's working directory (a Kaldi
+    folder or a cut manifest opened without a recorded folder)."""
+    from featbake.encode.manifests import RowInputs
+
+    return (
+        isinstance(inputs, RowInputs) and inputs.paths_from_workdir and not inputs.workdir_recorded
+    )
 
 
 @runtime_checkable

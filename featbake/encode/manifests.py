@@ -309,12 +309,34 @@ class RowInputs:
         #: ``""`` where its paths do not depend on it.
         self.workdir = (workdir or os.getcwd()) if self.paths_from_workdir else ""
         self.workdir_recorded = bool(workdir)  # a build's, not this process's own
+        #: The folder the root's build took relative paths from, where a dataset opens the data
+        #: from another working directory (set before the scan): a relative path not found
+        #: from :attr:`workdir` is taken from there, so a file changed since its build is read
+        #: as it is now rather than served as built (:meth:`ToolPaths.file`).
+        self.build_workdir = ""
+        #: The folder the last scan took relative paths from (:meth:`taken_from`).
+        self.found_in = self.workdir
+        self._finder: ToolPaths | None = None  # the last parse's, until its scan reads it
         self.items: dict[str, Item] = {}  # id -> item, in the manifest's order (after scan)
         self.by_path: dict[str, Item] = {}  # Item.where -> item
 
     @property
     def where(self) -> str:
         return self.origin
+
+    def tool_paths(self, manifest: str) -> ToolPaths:
+        """The finder of the files ``manifest`` names relative to the working directory (a
+        parse's), kept until its scan reads where it found them (:attr:`found_in`)."""
+        self._finder = ToolPaths(
+            manifest, self.workdir, recorded=self.workdir_recorded, build=self.build_workdir
+        )
+        return self._finder
+
+    def taken_from(self) -> str:
+        """The folder the last scan took relative paths from, for a root to record: the
+        build's (:attr:`build_workdir`) where every relative path found was found only there,
+        else :attr:`workdir`."""
+        return self.found_in
 
     @property
     def stat_tells_change(self) -> bool:
@@ -335,6 +357,9 @@ class RowInputs:
             SourceError: the manifest cannot be read, holds no row, or repeats an id.
         """
         parsed = self.parse()
+        finder, self._finder = self._finder, None  # not pickled into workers: a path per file
+        if finder is not None:
+            self.found_in = finder.build if finder.at_build and not finder.here else self.workdir
         # Filled in place: a source made before the scan (the build makes it first) sees them.
         self.items.clear()
         self.by_path.clear()
@@ -979,7 +1004,7 @@ class KaldiInputs(RowInputs):
         """
         scp = os.path.join(self.origin, "wav.scp")
         out: dict[str, Placed | Unplaced] = {}
-        paths = ToolPaths(scp, self.workdir, recorded=self.workdir_recorded)
+        paths = self.tool_paths(scp)
         for line, fields in kaldi_lines(scp):
             if len(fields) < 2:
                 parsed.skipped.append(SkippedInput(f"wav.scp:{line}", "no file after the id"))
@@ -1084,7 +1109,7 @@ class CutsInputs(RowInputs):
             )
         name = os.path.basename(self.origin)
         parsed = Parsed()
-        paths = ToolPaths(self.origin, self.workdir, recorded=self.workdir_recorded)
+        paths = self.tool_paths(self.origin)
         try:
             with cut_lines(self.origin) as f:
                 for line, cut in json_records(f):
@@ -1178,13 +1203,23 @@ class ToolPaths:
         recorded: ``workdir`` is the one a build ran in, as its root records it
             (:attr:`featbake.store.roots.Root.workdir`): the data is opened again, maybe from
             elsewhere (a bad row's line names it so).
+        build: the folder the root's build took relative paths from, where it is not
+            ``workdir`` (a dataset opened from another directory): a relative path missing
+            from ``workdir`` is taken from there (where the bytes the store holds features of
+            were read), so a file changed since is read as it is, not served as built.
     """
 
-    def __init__(self, manifest: str, workdir: str = "", *, recorded: bool = False) -> None:
+    def __init__(
+        self, manifest: str, workdir: str = "", *, recorded: bool = False, build: str = ""
+    ) -> None:
         self.manifest = manifest
         self.recorded = recorded
         self.cwd = workdir or os.getcwd()
+        self.build = build if build and build != self.cwd else ""
         self.seen: dict[str, str | BadRow] = {}
+        #: The absolute files taken from :attr:`build` (found there, not from :attr:`cwd`).
+        self.at_build: set[str] = set()
+        self.here = 0  # relative paths found from :attr:`cwd`
 
     def file(self, value: Any) -> str:
         """The absolute file ``value`` names.
@@ -1205,11 +1240,23 @@ class ToolPaths:
             raise BadRow(str(got))
         return got
 
+    def folder_of(self, file: str) -> str:
+        """The folder ``file``'s relative path was taken from (:attr:`build` or :attr:`cwd`)."""
+        return self.build if file in self.at_build else self.cwd
+
     def _placed(self, value: Any) -> str:
         file = input_file(value, self.cwd, "recording.sources[].source")
         absolute = os.path.isabs(os.path.expanduser(value))
-        if bytes_at(file).remote or absolute or os.path.exists(file):
+        if bytes_at(file).remote or absolute:
             return file
+        if os.path.exists(file):
+            self.here += 1
+            return file
+        if self.build:
+            built = input_file(value, self.build, "recording.sources[].source")
+            if os.path.exists(built):
+                self.at_build.add(built)
+                return built
         folder = os.path.dirname(self.manifest)
         beside = os.path.normpath(os.path.join(folder, value))
         if os.path.exists(beside):
@@ -1239,7 +1286,11 @@ def cut_item(cut: Mapping[str, Any], paths: ToolPaths, where: str) -> tuple[str,
         duration = cut.get("duration")  # none: to the recording's end
         end = None if duration is None else start + seconds(duration, "duration")
         span = span_of(start, end, source.picked)
-        effects = lhotse_audio(cut, rec, source.file, paths.cwd) if rec.get("transforms") else None
+        effects = (
+            lhotse_audio(cut, rec, source.file, paths.folder_of(source.file))
+            if rec.get("transforms")
+            else None
+        )
     except BadRow as e:
         raise BadRow(f"cut {cut['id']}: {e}") from None
     return str(cut["id"]), Item(source.file, span, where, cut_row(cut), effects)

@@ -5,8 +5,10 @@ Where the keys come from. A folder that ``featbake build`` baked has a *root*: t
 finds it without loading the encoder (see :mod:`featbake.serve.misses` for the encoder's
 fingerprint). Input files are looked up in the hash cache; a changed file is hashed again and
 gets its new key (which then misses and is encoded), a file deleted after the build keeps its
-manifest key and is still served from the store. Without a root (no build ran, or a list of
-paths) the inputs are hashed once through the hash cache.
+manifest key and is still served from the store. A Kaldi folder's or a cut manifest's
+relative path not found from this process's working directory is read where the build read
+it (the root's ``workdir``), so only a file gone from both is served as built. Without a root
+(no build ran, or a list of paths) the inputs are hashed once through the hash cache.
 
 Tables indexed by item live in numpy arrays rather than Python lists so that forked workers do
 not copy them page by page as reference counts change.
@@ -23,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from featbake.encode.fingerprints import hash_inputs, resolve_path
-from featbake.encode.inputs import Inputs, inputs_at, keeps_order, workdir_of
+from featbake.encode.inputs import Inputs, falling_back_to, inputs_at, keeps_order, workdir_of
 from featbake.encode.sources import check_input_files
 from featbake.encode.tables import Table
 from featbake.encode.webdataset import WebDataset
@@ -31,7 +33,7 @@ from featbake.errors import SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
 from featbake.store.catalog import ServingStore
 from featbake.store.hash_cache import FileStat
-from featbake.store.roots import RootSpec
+from featbake.store.roots import Root, RootSpec
 
 __all__ = ["NO_STAT", "Index", "IndexSpec", "ItemPlacement", "build_index", "names_from_parent"]
 
@@ -230,10 +232,7 @@ def _index_place(
     URL; an unchanged listing reuses every digest from the hash cache, reading nothing)."""
     data_dir = inputs.where
     name = root_id(data_dir, spec.enc_label, spec.recipe_fp, column)
-    root = catalog.root(name)
-    manifest: dict[str, str] = {}
-    if root is not None and root.encoder_fp == spec.enc_fp:
-        manifest = dict(catalog.root_items(name))
+    root, manifest = _built_root(catalog, name, spec, inputs)
     if isinstance(inputs, (WebDataset, Table)):
         inputs.known = catalog  # a bucket's tars and tables: listings from the hash cache
     try:
@@ -276,6 +275,21 @@ def _index_place(
             catalog, spec, data_dir, items, name, new=new_root, workdir=workdir_of(inputs)
         )
     return Index(rel_paths, keys, data_dir, catalog, spec, hashed, inputs, name)
+
+
+def _built_root(
+    catalog: ServingStore, name: str, spec: IndexSpec, inputs: Inputs
+) -> tuple[Root | None, dict[str, str]]:
+    """The root named ``name`` (none if no build made it) and its items' keys by name (none
+    unless it was built by this encoder). A Kaldi folder or cut manifest is told the folder
+    its build took relative paths from, for the paths it does not find from here."""
+    root = catalog.root(name)
+    if root is None:
+        return None, {}
+    if root.workdir:
+        falling_back_to(inputs, root.workdir)
+    built = root.encoder_fp == spec.enc_fp
+    return root, dict(catalog.root_items(name)) if built else {}
 
 
 def _without_bad_rows(

@@ -248,39 +248,169 @@ def test_the_cli_build_from_the_recipe_folder_and_export_from_elsewhere(
     assert [(t["id"], t["text"]) for t in table] == [("s1", "words 1"), ("s2", "words 2")]
 
 
+# == r17.3: `featbake build` run again from another directory ======================================
+def test_a_rebuild_from_another_directory_keeps_the_root_and_its_features(
+    encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``featbake build --data kaldi`` run in the folder its ``wav.scp`` is relative to, then
+    again from another folder, where no path is found: each path is read where the last build
+    read it. Before, every row failed ("cannot stat") and the build published a root of 0 items
+    recording the other folder, so a ``gc`` then deleted every feature. Now the rebuild
+    reuses all three, the root keeps its items and folder, a ``gc`` removes nothing, and a
+    clip rewritten since is encoded again from the build's folder."""
+    clips = _aged_clips(tmp_path, 3)
+    _manifests(tmp_path, clips)
+    store = tmp_path / "store"
+    build = ("build", "-e", encoder_file, "-d", tmp_path / "kaldi", "--cache", store, "--json")
+    monkeypatch.chdir(tmp_path)
+    assert invoke(*build).returncode == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    again = invoke(*build)
+    assert again.returncode == 0, printed(again)
+    assert (_report(again)["reused"], _report(again)["failed"]) == (3, []), printed(again)
+    root = _only_root(store)
+    assert (root.items, root.workdir) == (3, str(tmp_path))
+    gc = invoke("gc", "--cache", store, "--dry-run", "--json")
+    assert gc.returncode == 0, printed(gc)
+    assert json.loads(gc.stdout)["plan"]["unreached_features"] == 0, printed(gc)
+    _same_size_other_bytes(clips[1])
+    changed = invoke(*build)
+    assert changed.returncode == 0 and _report(changed)["encoded"] == 1, printed(changed)
+    assert _only_root(store).workdir == str(tmp_path)
+
+
 # == r15p.6: a dataset over a Kaldi folder made from another directory =============================
 def test_a_kaldi_dataset_from_another_directory_serves_features_of_the_bytes_it_names(
     encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A dataset takes a Kaldi folder's relative paths from the working directory, as Kaldi
-    and lhotse do (not from the root's record: the caller's process reads the data now). Built
-    from ``tmp_path``, clip 1 rewritten since; the dataset made from a folder that holds
-    another file at clip 0's relative path and nothing at the others'. Nothing served is the
-    features of bytes other than those its key names: row 0 is the features of the file it
-    names from here (a miss, encoded live), rows 1 and 2, whose files are not there from here,
-    are served as built (as a file deleted since its build is), row 1 the features of its old
-    bytes."""
+    and lhotse do; a path not found there is taken from the folder the build took it from
+    (the root's record), where the bytes the store holds features of were read. Built from
+    ``tmp_path``, clip 1 rewritten since, clip 2 deleted since; the dataset made from a folder
+    that holds another file at clip 0's relative path and nothing at the others'. Row 0 is
+    the features of the file it names from here (a miss, encoded live), row 1 of clip 1's
+    bytes now (read from the build's folder: before, it was served as built, the features of
+    its old bytes), row 2 as built (its file is gone from both, as a deleted file is)."""
     from featbake.serve.dataset import CachedFeatureDataset
 
     monkeypatch.chdir(tmp_path)
     clips = _aged_clips(tmp_path, 3)
     kaldi, rel = _relative_kaldi(tmp_path, clips)
     bake(kaldi, encoder_file, store_dir)
-    old = tmp_path / "old1.wav"
-    shutil.copy2(clips[1], old)
+    old1, old2 = tmp_path / "old1.wav", tmp_path / "old2.wav"
+    shutil.copy2(clips[1], old1)
+    shutil.copy2(clips[2], old2)
     _same_size_other_bytes(clips[1])
+    clips[2].unlink()
     elsewhere = tmp_path / "elsewhere"
     other = elsewhere / rel[0]
     other.parent.mkdir(parents=True)
-    audio, rate = soundfile.read(clips[2], dtype="float32")
+    audio, rate = soundfile.read(old2, dtype="float32")
     soundfile.write(other, audio[::-1].copy(), rate)
     monkeypatch.chdir(elsewhere)
     ds = CachedFeatureDataset(kaldi, encoder_file, cache=store_dir)
     live = Live()
     assert [ds.item_id(i) for i in range(len(ds))] == ["r0", "r1", "r2"]
     torch.testing.assert_close(ds[0], live(encoder_file, other))
-    torch.testing.assert_close(ds[1], live(encoder_file, old))
-    torch.testing.assert_close(ds[2], live(encoder_file, clips[2]))
+    torch.testing.assert_close(ds[1], live(encoder_file, clips[1]))
+    assert not torch.allclose(ds[1], live(encoder_file, old1))
+    torch.testing.assert_close(ds[2], live(encoder_file, old2))
+
+
+def test_relative_cuts_served_from_another_directory_are_read_where_the_build_read_them(
+    encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Training run from another directory than the build's, where no relative source is
+    found: every cut is read from the build's folder. The clip rewritten since (same size,
+    mtime put back) is served as its bytes are now, not as built; its write-back republishes
+    the root, which still records the build's folder (every path was found there, none
+    here), so an export from a third directory checks every cut against it."""
+    from featbake.serve.dataset import CachedFeatureDataset
+
+    monkeypatch.chdir(tmp_path)
+    clips = _aged_clips(tmp_path, 3)
+    cuts = _relative_cuts(tmp_path, clips)
+    assert not bake(cuts, encoder_file, store_dir).failed
+    old = tmp_path / "old1.wav"
+    shutil.copy2(clips[1], old)
+    _same_size_other_bytes(clips[1])
+    for name in ("train", "third"):
+        (tmp_path / name).mkdir()
+    monkeypatch.chdir(tmp_path / "train")
+    ds = CachedFeatureDataset(cuts, encoder_file, cache=store_dir)
+    live = Live()
+    for i, clip in enumerate(clips):  # each cut: the clip's first 0.2 s
+        torch.testing.assert_close(ds[i], live(encoder_file, _first_fifth(clip, tmp_path)))
+    assert ds[1].shape == live(encoder_file, _first_fifth(old, tmp_path)).shape
+    assert not torch.allclose(ds[1], live(encoder_file, _first_fifth(old, tmp_path)))
+    del ds
+    assert _only_root(store_dir).workdir == str(tmp_path)
+    monkeypatch.chdir(tmp_path / "third")
+    r = _export(store_dir, tmp_path / "c.parquet")
+    assert r.returncode == 0 and "cannot be read" not in r.stderr, printed(r)
+    assert _counts(r) == (3, 0, 0), printed(r)
+
+
+def _first_fifth(clip: Path, tmp_path: Path) -> Path:
+    """A file of ``clip``'s first 0.2 s (a cut's span of it), to encode live."""
+    audio, rate = soundfile.read(clip, dtype="float32")
+    out = tmp_path / "spans" / f"{clip.parent.name}-{clip.name}"
+    out.parent.mkdir(exist_ok=True)
+    soundfile.write(out, audio[: round(0.2 * rate)], rate, subtype="FLOAT")
+    return out
+
+
+def test_a_finder_given_the_builds_folder_says_where_each_path_was_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ToolPaths(build=)``: a relative path found from the working directory is taken from
+    there, one found only in the build's folder from there, one found in neither names the
+    working directory's (the row then fails to read, as before); an absolute path is kept.
+    A cut manifest scanned with ``build_workdir`` records the build's folder only when every
+    relative path it found came from there."""
+    from featbake.encode.inputs import falling_back_to, inputs_at, workdir_of
+    from featbake.encode.manifests import ToolPaths
+
+    build, here = tmp_path / "build", tmp_path / "here"
+    for folder, names in ((build, ("a.wav", "b.wav")), (here, ("a.wav",))):
+        folder.mkdir()
+        for n in names:
+            (folder / n).write_bytes(b"x")
+    finder = ToolPaths(str(tmp_path / "cuts.jsonl"), str(here), build=str(build))
+    assert finder.file("a.wav") == str(here / "a.wav")
+    assert finder.file("b.wav") == str(build / "b.wav")
+    assert finder.file("c.wav") == str(here / "c.wav")
+    assert finder.file(str(build / "a.wav")) == str(build / "a.wav")
+    assert finder.folder_of(str(build / "b.wav")) == str(build)
+    assert finder.folder_of(str(here / "a.wav")) == str(here)
+    assert ToolPaths("m", str(here), build=str(here)).build == ""
+
+    monkeypatch.chdir(tmp_path)
+    clips = _aged_clips(tmp_path, 2)
+    cuts = _relative_cuts(tmp_path, clips)
+    with gzip.open(cuts, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    rows[1]["recording"]["transforms"] = [{"name": "Volume", "kwargs": {"factor": 0.5}}]
+    with gzip.open(cuts, "wt") as g:
+        g.write("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    inputs = inputs_at(cuts)
+    falling_back_to(inputs, str(tmp_path))
+    inputs.scan(())
+    assert workdir_of(inputs) == str(tmp_path)
+    assert sorted(i.file for i in inputs.items.values()) == [str(c) for c in clips]
+    (effects,) = [i.effects for i in inputs.items.values() if i.effects is not None]
+    assert json.loads(effects.recording)["sources"][0]["source"] == str(clips[1])
+    (tmp_path / "elsewhere" / clips[0].relative_to(tmp_path)).parent.mkdir(parents=True)
+    shutil.copy2(clips[0], tmp_path / "elsewhere" / clips[0].relative_to(tmp_path))
+    inputs.scan(())
+    assert workdir_of(inputs) == str(tmp_path / "elsewhere")  # one found here: lhotse's rule
+    recorded = inputs_at(cuts, workdir=str(tmp_path / "other"))
+    falling_back_to(recorded, str(tmp_path))  # opened with a recorded folder: no fallback
+    assert recorded.build_workdir == ""
 
 
 # == r15p.7: an engine's worker, whose working directory is not the driver's ======================
