@@ -4,11 +4,13 @@ Where the keys come from. A folder that ``featbake build`` baked has a *root*: t
 (relative path, key) that the build wrote for (folder, encoder as named, recipe). The dataset
 finds it without loading the encoder (see :mod:`featbake.serve.misses` for the encoder's
 fingerprint). Input files are looked up in the hash cache; a changed file is hashed again and
-gets its new key (which then misses and is encoded), a file deleted after the build keeps its
-manifest key and is still served from the store. A Kaldi folder's or a cut manifest's
-relative path not found from this process's working directory is read where the build read
-it (the root's ``workdir``), so only a file gone from both is served as built. Without a root
-(no build ran, or a list of paths) the inputs are hashed once through the hash cache.
+gets its new key (which then misses and is encoded), an input gone since the build (a file
+deleted, a member no longer listed) keeps its manifest key and is still served from the store;
+one still there that cannot be read as it is now is not (:func:`_not_as_built`). A Kaldi
+folder's or a cut manifest's relative path not found from this process's working directory is
+read where the build read it (the root's ``workdir``), so only a file gone from both is served
+as built. Without a root (no build ran, or a list of paths) the inputs are hashed once
+through the hash cache.
 
 Tables indexed by item live in numpy arrays rather than Python lists so that forked workers do
 not copy them page by page as reference counts change.
@@ -25,12 +27,21 @@ from typing import NamedTuple
 import numpy as np
 
 from featbake.encode.fingerprints import hash_inputs, resolve_path
-from featbake.encode.inputs import Inputs, falling_back_to, inputs_at, keeps_order, workdir_of
+from featbake.encode.inputs import (
+    Folder,
+    Inputs,
+    falling_back_to,
+    inputs_at,
+    keeps_order,
+    workdir_of,
+)
+from featbake.encode.manifests import RowInputs
 from featbake.encode.sources import check_input_files
 from featbake.encode.tables import Table
 from featbake.encode.webdataset import WebDataset
 from featbake.errors import SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
+from featbake.store.byteplace import bytes_at
 from featbake.store.catalog import ServingStore
 from featbake.store.hash_cache import FileStat
 from featbake.store.roots import Root, RootSpec
@@ -251,14 +262,18 @@ def _index_place(
     keys: list[str] = []
     bad: list[str] = []
     hashed: list[FileStat | None] = []
+    listed = set(scanned)
     for rel in rel_paths:
         path = inputs.path(rel)
         hashed.append(stats[path] if path in digests else None)
         if path in digests:
             keys.append(spec.key(digests[path]))
-        elif rel in manifest:
-            keys.append(manifest[rel])  # deleted (or unreadable) since the build
+            continue
+        why = _not_as_built(inputs, rel, rel in listed, manifest.get(rel), spec, catalog)
+        if why is None:
+            keys.append(manifest[rel])  # gone since the build: its features as built
         else:
+            failed[path] = why or failed.get(path, "cannot be read")
             bad.append(path)
             keys.append("")
     if bad and keeps_order(inputs):  # a manifest's bad rows are left out, as the build skips them
@@ -275,6 +290,51 @@ def _index_place(
             catalog, spec, data_dir, items, name, new=new_root, workdir=workdir_of(inputs)
         )
     return Index(rel_paths, keys, data_dir, catalog, spec, hashed, inputs, name)
+
+
+def _not_as_built(
+    inputs: Inputs,
+    rel: str,
+    listed: bool,
+    built_key: str | None,
+    spec: IndexSpec,
+    catalog: ServingStore,
+) -> str | None:
+    """None where item ``rel``, which cannot be hashed now, may be served the features its
+    root's build stored (``built_key``): its input is gone since (no longer listed; a file,
+    or a row's file, that no longer exists). Else why not (``""``: the hash's own reason).
+
+    An input still there that cannot be read as its row now says (a segment past the end of
+    its rewritten file, a channel it no longer has, a tar member cut short, a table cell with
+    no bytes) is not the input those features were made from, nor is a row changed since the
+    build to name another file that is gone: a whole-file row whose file the hash cache knew
+    is checked to be keyed as its root says (a segment's key needs its file's header: a gone
+    file's segment rows are served as built unchecked).
+    """
+    if built_key is None:
+        return ""
+    file = _file_of(inputs, rel)
+    if listed and (file is None or bytes_at(file).remote or os.path.lexists(file)):
+        return ""
+    item = inputs.items.get(rel) if isinstance(inputs, RowInputs) else None
+    if item is None or item.span is not None or item.effects is not None:
+        return None
+    known = catalog.hash_rows([item.file]).get(item.file)  # trusted or not: the file is gone
+    if known is not None and spec.key(known.sha256) != built_key:
+        return (
+            f"{item.file} is gone, and the stored features of {rel!r} are of another file "
+            "(the row named another since its build)"
+        )
+    return None
+
+
+def _file_of(inputs: Inputs, rel: str) -> str | None:
+    """The file item ``rel`` is read from, where it is one file of its own (a folder's file,
+    a manifest row's file); None for a member of a container (a tar's, a table's)."""
+    if isinstance(inputs, RowInputs):
+        item = inputs.items.get(rel)
+        return None if item is None else item.file
+    return inputs.path(rel) if isinstance(inputs, Folder) else None
 
 
 def _built_root(
@@ -306,7 +366,8 @@ def _without_bad_rows(
     shown = "; ".join(f"{rel_paths[i]}: {failed.get(inputs.path(rel_paths[i]))}" for i in bad[:5])
     more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
     warnings.warn(
-        f"{len(bad)} row(s) of {inputs.where} cannot be read and are not in the store, so they "
+        f"{len(bad)} row(s) of {inputs.where} cannot be read as they are now and have no "
+        "stored features of their input, so they "
         f"are not items of this dataset: {shown}{more}; fix the rows to include them",
         stacklevel=4,
     )
@@ -394,7 +455,8 @@ def raise_unreadable(bad: Sequence[str], failed: Mapping[str, str]) -> None:
         shown = "; ".join(f"{p}: {failed.get(p, 'unreadable')}" for p in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
         raise SourceError(
-            f"{len(bad)} input(s) cannot be read and are not in the store: {shown}{more}; "
+            f"{len(bad)} input(s) cannot be read as they are now and have no stored features "
+            f"of their input: {shown}{more}; "
             "fix or remove them, or run `featbake build` to see every failure"
         )
 

@@ -8,6 +8,7 @@ the dataset's names the field, and the suggested command carries every option th
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import sqlite3
@@ -47,12 +48,13 @@ from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.outputs import encode_batch, stored_parts
 from featbake.encode.sources import CheckingSource, Source, load_unchanged
 from featbake.errors import CacheMiss, EncoderLoadError, FeatbakeError, SourceError
-from featbake.keys import feature_key
+from featbake.keys import feature_key, sha256_hex
 from featbake.recipe import Recipe
 from featbake.serve.cached_encoder import ModuleWatch, shared_watch
 from featbake.serve.index import Index
 from featbake.serve.reads import Reads
 from featbake.serve.state import ProcessState, owned_parts, pending_in_process
+from featbake.store.byteplace import bytes_at
 from featbake.store.catalog import Catalog, ServingStore
 from featbake.store.features import Parts
 from featbake.store.fragment_catalog import open_serving_catalog
@@ -779,38 +781,6 @@ def encode_inputs(
     return results
 
 
-def check_unchanged(
-    catalog: ServingStore, paths: list[str], keys: list[str], fps: tuple[str, str]
-) -> None:
-    """Raise if a file decoded for a miss no longer holds the bytes its key was hashed from.
-
-    Keys are hashed when the dataset is created and the file is decoded later: one rewritten in
-    between must not be encoded and stored under the old bytes' key (which every other copy of
-    the old bytes shares). Checked after decoding, against the hash cache (same stat) or, when
-    that does not say, a fresh hash of the file. ``fps`` is (encoder, recipe) fingerprint.
-
-    Raises:
-        SourceError: a file changed since the dataset was created.
-    """
-    cached = catalog.cached_hashes(paths)
-    for path, key in zip(paths, keys, strict=True):
-        try:
-            now = FileStat.of(path)
-            stat, sha = cached.get(path) or (None, "")
-            if stat != now:
-                sha = file_fingerprint(path)
-                if FileStat.of(path) != now:
-                    sha = ""  # changing while it is read
-        except OSError:
-            sha = ""
-        if feature_key(fps[0], fps[1], sha) != key:
-            raise SourceError(
-                f"{path} changed since this dataset was created (its bytes no longer match "
-                "the key they were indexed under), so its feature is not stored; create the "
-                "dataset again once the file stops changing"
-            )
-
-
 def miss_source(index: Index, source: Source) -> Source:
     """What decodes ``index``'s items on a miss: ``source``, or its inputs' own reader of it
     (a bucket's objects and a manifest's rows, which checks by itself that an item is the one
@@ -819,7 +789,7 @@ def miss_source(index: Index, source: Source) -> Source:
 
 
 def decode_items(
-    source: Source, index: Index, idx: Sequence[int], catalog: ServingStore, fps: tuple[str, str]
+    source: Source, index: Index, idx: Sequence[int], fps: tuple[str, str]
 ) -> list[torch.Tensor]:
     """Items ``idx`` decoded as a miss decodes them, each checked to hold the bytes its key
     was hashed from (``fps``: the encoder and recipe fingerprints of the keys).
@@ -831,9 +801,33 @@ def decode_items(
     if isinstance(source, CheckingSource):  # each checked by the response that carried it
         stats = [FileStat(*map(int, index.stats[i])) for i in idx]
         return [load_unchanged(source, p, s) for p, s in zip(paths, stats, strict=True)]
-    inputs = [source.load(p) for p in paths]
-    check_unchanged(catalog, paths, [index.key(i) for i in idx], fps)
-    return inputs
+    return [
+        decoded_as_hashed(source, p, index.key(i), fps) for p, i in zip(paths, idx, strict=True)
+    ]
+
+
+def decoded_as_hashed(source: Source, path: str, key: str, fps: tuple[str, str]) -> torch.Tensor:
+    """File ``path`` decoded from the very bytes checked to be the ones ``key`` was hashed
+    from (read once, hashed, decoded from memory; ``fps``: (encoder, recipe) fingerprint).
+    Decoding the file and hashing it again afterwards let a file rewritten and put back in
+    between (an A/B/A swap) store B's features under A's key, served to every copy of A.
+
+    Raises:
+        SourceError: it cannot be read, or no longer holds those bytes.
+    """
+    data = bytes_at(path).read(path).data
+    if feature_key(fps[0], fps[1], sha256_hex(data)) != key:
+        raise SourceError(changed_since_created(path))
+    return source.load(path, io.BytesIO(data))
+
+
+def changed_since_created(path: str) -> str:
+    """The line for an input whose bytes no longer match the key it was indexed under."""
+    return (
+        f"{path} changed since this dataset was created (its bytes no longer match "
+        "the key they were indexed under), so its feature is not stored; create the "
+        "dataset again once the file stops changing"
+    )
 
 
 class Misses:
@@ -946,7 +940,7 @@ class Misses:
         """Decode and encode items ``idx`` now (checking their files did not change); the
         encoder is checked right before it runs (an in-process module edited since the last
         misses is refused), so nothing runs between the check and the run."""
-        inputs = decode_items(self.source, self.index, idx, st.catalog, self.fps)
+        inputs = decode_items(self.source, self.index, idx, self.fps)
         if st.encoder is None or self.live.spec is None:
             # An in-process module is checked and followed to its device at each batch of
             # misses: one moved since the last (`.cuda()`) met inputs sent where it was.
@@ -1004,7 +998,6 @@ def stored_builds(layout: Layout, data: str) -> list[StoredBuild]:
 __all__ = [
     "LiveEncoder",
     "Misses",
-    "check_unchanged",
     "decode_items",
     "encode_inputs",
     "miss_source",

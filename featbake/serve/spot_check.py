@@ -338,8 +338,7 @@ class _Run:
         decoded: dict[int, torch.Tensor] = {}
         for i in present:  # one by one: one unreadable input is its item's verdict, not all's
             try:
-                decoded[i] = decode_items(self.source, self.index, [i], self.reader.catalog,
-                                          self.fps)[0]  # fmt: skip
+                decoded[i] = decode_items(self.source, self.index, [i], self.fps)[0]
             except FeatbakeError as e:
                 out[i] = ItemCheck(self.index.rel(i), keys[i], Verdict.UNREADABLE, detail=str(e))
         order = list(decoded)
@@ -386,7 +385,7 @@ class _Run:
             )
         for i in picks:
             try:
-                x = decode_items(self.source, self.index, [i], self.reader.catalog, self.fps)
+                x = decode_items(self.source, self.index, [i], self.fps)
             except FeatbakeError:
                 continue
             first, second = (encode_inputs(enc, x, self.encoding)[0] for _ in range(2))

@@ -276,6 +276,12 @@ class FragmentCatalog:
                 out[p] = entry
         return out
 
+    def hash_rows(self, paths: Sequence[str]) -> dict[str, HashCacheRow]:
+        """The catalog's hash rows of ``paths`` as stored, trusted or not, and those held here."""
+        none: dict[str, HashCacheRow] = {}
+        out = self._read(lambda c: c.hash_rows(paths), none)
+        return out | {p: self._hashes[p] for p in paths if p in self._hashes}
+
     def others_commits(self) -> int | None:
         """The read-only catalog's count of commits by others (None while there is none: a
         caller asks again); a catalog replaced by a newer version reads anew (see

@@ -1,0 +1,196 @@
+"""Round seventeen: what a dataset serves for an input it cannot hash now (r17.4-r17.7).
+
+A dataset keys each item by its input's bytes now; the key its root's build recorded stands in
+only for an input gone since the build (a deleted file keeps serving its features, as designed).
+Before, it stood in for any input that failed to hash: a row whose file is still there but no
+longer holds its segment, a tar member cut short, a row changed to name another file that is
+gone. And a miss decoded a folder's file, then hashed it again: a file swapped and put back in
+between stored one version's features under the other's key. Real files, real stores built by
+the real code, every served feature compared with the encoder run now.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.testing import make_tone
+from tests.conftest import live_features
+from tests.helpers import bake
+
+RATE = 16000
+
+
+def _wav(seconds: float, seed: int) -> bytes:
+    buf = io.BytesIO()
+    soundfile.write(buf, make_tone(seconds, RATE, seed=seed), RATE, format="WAV", subtype="FLOAT")
+    return buf.getvalue()
+
+
+def _live(encoder: Path, data: bytes, tmp_path: Path, start: float = 0.0, end: float | None = None):
+    """The encoder run now on ``data``'s samples from ``start`` to ``end`` seconds."""
+    audio, rate = soundfile.read(io.BytesIO(data), dtype="float32")
+    cut = audio[round(start * rate) : None if end is None else round(end * rate)]
+    spot = tmp_path / "live.wav"
+    soundfile.write(spot, np.ascontiguousarray(cut), rate, subtype="FLOAT")
+    return live_features(encoder, spot)
+
+
+def _ids(ds: CachedFeatureDataset) -> list[str]:
+    return [ds.item_id(i) for i in range(len(ds))]
+
+
+# == r17.4: a row changed to name a file that is gone ==============================================
+def test_a_row_changed_to_name_a_deleted_file_is_not_served_another_files_features(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """Built with u1 -> x.wav and u2 -> y.wav; the manifest written again with the ids the
+    other way round, and x.wav deleted. u2 was served the features the root recorded for
+    u2, y.wav's, though its row names x.wav. The hash cache knew x.wav's digest: u2's
+    recorded key is not x.wav's, so u2 is left out in one warning naming why; u1 (y.wav)
+    is y.wav's features."""
+    x, y = _wav(0.4, 1), _wav(0.4, 2)
+    (tmp_path / "x.wav").write_bytes(x)
+    (tmp_path / "y.wav").write_bytes(y)
+    manifest = tmp_path / "train.jsonl"
+    rows = [{"id": "u1", "path": "x.wav"}, {"id": "u2", "path": "y.wav"}]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert not bake(manifest, encoder_file, store_dir).failed
+    rows = [{"id": "u1", "path": "y.wav"}, {"id": "u2", "path": "x.wav"}]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "x.wav").unlink()
+    with pytest.warns(UserWarning, match=r"1 row\(s\).*of another file") as caught:
+        ds = CachedFeatureDataset(manifest, encoder_file, cache=store_dir)
+    assert all("\n" not in str(w.message) for w in caught)
+    assert _ids(ds) == ["u1"]
+    torch.testing.assert_close(ds[0], _live(encoder_file, y, tmp_path))
+
+
+def test_a_row_whose_file_was_deleted_is_still_served_as_built(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """The designed case stays: a manifest's rows unchanged, one file deleted since the
+    build (its raw audio removed once baked): its row is served the features of the bytes it
+    had, and the other row its file's features now."""
+    x, y = _wav(0.4, 1), _wav(0.3, 2)
+    (tmp_path / "x.wav").write_bytes(x)
+    (tmp_path / "y.wav").write_bytes(y)
+    manifest = tmp_path / "train.jsonl"
+    rows = [{"id": "u1", "path": "x.wav"}, {"id": "u2", "path": "y.wav"}]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert not bake(manifest, encoder_file, store_dir).failed
+    (tmp_path / "x.wav").unlink()
+    ds = CachedFeatureDataset(manifest, encoder_file, cache=store_dir, on_miss="error")
+    assert _ids(ds) == ["u1", "u2"]
+    torch.testing.assert_close(ds[0], _live(encoder_file, x, tmp_path))
+    torch.testing.assert_close(ds[1], _live(encoder_file, y, tmp_path))
+
+
+# == r17.5: a segment past the end of its rewritten file ===========================================
+def test_a_segment_past_the_end_of_its_rewritten_file_is_left_out(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """A CSV row u1 = a.wav [0.1, 0.4); a.wav rewritten since as a new 0.3 s take, so the
+    segment is past its end. u1 was served its old take's features (bytes on no disk now).
+    It is left out in one warning naming the row, as the build now skips it; u2 is served."""
+    old, b = _wav(0.5, 1), _wav(0.3, 2)
+    (tmp_path / "a.wav").write_bytes(old)
+    (tmp_path / "b.wav").write_bytes(b)
+    manifest = tmp_path / "segs.csv"
+    manifest.write_text("id,path,start,end\nu1,a.wav,0.1,0.4\nu2,b.wav,,\n")
+    assert not bake(manifest, encoder_file, store_dir).failed
+    (tmp_path / "a.wav").write_bytes(_wav(0.3, 7))
+    with pytest.warns(UserWarning, match=r"1 row\(s\).*segs.csv:2") as caught:
+        ds = CachedFeatureDataset(manifest, encoder_file, cache=store_dir)
+    assert all("\n" not in str(w.message) for w in caught)
+    assert _ids(ds) == ["u2"]
+    torch.testing.assert_close(ds[0], _live(encoder_file, b, tmp_path))
+
+
+# == r17.6: a tar member cut short =================================================================
+def _tar(members: list[tuple[str, bytes]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_a_tar_member_cut_short_is_not_served_its_old_features(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """A webdataset shard replaced by a new version copied halfway, so its s2 member (new
+    bytes) is cut short. s2 was served its old bytes' features, which no file holds now. It
+    is left out in one warning; s1 (unchanged) is served its features."""
+    s1, s2_old, s2_new = _wav(0.3, 1), _wav(0.3, 2), _wav(0.3, 9)
+    shard = tmp_path / "shard-000.tar"
+    shard.write_bytes(_tar([("s1.wav", s1), ("s2.wav", s2_old)]))
+    assert not bake(shard, encoder_file, store_dir).failed
+    new = _tar([("s1.wav", s1), ("s2.wav", s2_new)])
+    shard.write_bytes(new[: new.find(s2_new) + len(s2_new) // 2])
+    with pytest.warns(UserWarning, match=r"1 row\(s\)") as caught:
+        ds = CachedFeatureDataset(shard, encoder_file, cache=store_dir)
+    assert all("\n" not in str(w.message) for w in caught)
+    assert _ids(ds) == ["s1"]
+    torch.testing.assert_close(ds[0], _live(encoder_file, s1, tmp_path))
+
+
+# == r17.7: a folder's file swapped and put back while a miss decodes it ===========================
+def test_a_file_swapped_back_while_a_miss_decodes_it_stores_nothing_under_its_key(
+    encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder dataset made over a.wav = v1; a.wav rewritten as v2, and put back to v1 by
+    another writer right after the miss first read it (the decoder, and the reader of a
+    file's bytes, are wrapped to do so exactly then). The miss decoded v2 and its check
+    hashed the file after: v1 again, so v2's features were stored under v1's key and served
+    to every dataset over v1. Now the miss decodes the bytes it hashed: it is refused in one
+    line, and a dataset made again over v1 (still v1) encodes and serves v1's features."""
+    from featbake.encode import sources
+    from featbake.errors import SourceError
+    from featbake.store.byteplace import LocalFiles
+
+    folder = tmp_path / "audio"
+    folder.mkdir()
+    v1, v2 = _wav(0.4, 1), _wav(0.4, 2)
+    clip = folder / "a.wav"
+    clip.write_bytes(v1)
+    (folder / "b.wav").write_bytes(_wav(0.3, 3))
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(folder, encoder_file, cache=store_dir)
+    clip.write_bytes(v2)
+    decode, read = sources.AudioSource.load, LocalFiles.read
+
+    def put_back(path: object) -> None:
+        if str(path).endswith("a.wav"):
+            clip.write_bytes(v1)
+
+    def decode_then_put_back(self, path, data=None):  # type: ignore[no-untyped-def]
+        x = decode(self, path, data)
+        put_back(path)
+        return x
+
+    def read_then_put_back(self, path):  # type: ignore[no-untyped-def]
+        got = read(self, path)
+        put_back(path)
+        return got
+
+    with monkeypatch.context() as m:
+        m.setattr(sources.AudioSource, "load", decode_then_put_back)
+        m.setattr(LocalFiles, "read", read_then_put_back)
+        with pytest.raises(SourceError, match="changed since this dataset was created") as e:
+            ds[0]
+    assert "\n" not in str(e.value)
+    del ds
+    assert clip.read_bytes() == v1
+    again = CachedFeatureDataset(folder, encoder_file, cache=store_dir)
+    torch.testing.assert_close(again[0], _live(encoder_file, v1, tmp_path))
