@@ -199,6 +199,9 @@ def ray_session(address: str | None) -> Iterator[Any]:
     ``$RAY_ADDRESS``), else a local instance started for the build and stopped after it."""
     ray = _ray()
     if ray.is_initialized():
+        other = another_cluster(ray, address)
+        if other is not None:
+            raise ConfigError(other)
         yield ray
         return
     # "local": a new instance, never a `ray start` cluster found on this node by Ray's default.
@@ -237,17 +240,44 @@ def nothing_answers(ray: Any, address: str) -> str | None:
     ``ray.init`` retries an address nothing listens at for about 13 minutes (20 tries of
     about 40 s) before it raises; a mistyped port is said at once instead. ``localhost``
     is tried at this node's address, as Ray connects to it."""
+    dialled = host_and_port(ray, address)
+    if dialled is None:
+        return None
+    host, port = dialled
+    try:
+        socket.create_connection((host, port), timeout=ADDRESS_CONNECT_S).close()
+    except OSError as e:
+        return f"nothing answers at {host}:{port} ({e.strerror or type(e).__name__})"
+    return None
+
+
+def host_and_port(ray: Any, address: str) -> tuple[str, int] | None:
+    """(host, port) of a ``host:port`` address, ``localhost`` as this node's address (as Ray
+    connects to it); None for the other forms (``"local"``, ``"auto"``, ``ray://``)."""
     host, sep, port = address.rpartition(":")
     host = host.strip("[]")  # an IPv6 address: [::1]:6379
     if not sep or not port.isdigit() or "://" in address or not host:
         return None
     if host in ("localhost", "127.0.0.1", "::1"):
         host = ray.util.get_node_ip_address()
-    try:
-        socket.create_connection((host, int(port)), timeout=ADDRESS_CONNECT_S).close()
-    except OSError as e:
-        return f"nothing answers at {host}:{port} ({e.strerror or type(e).__name__})"
-    return None
+    return host, int(port)
+
+
+def another_cluster(ray: Any, address: str | None) -> str | None:
+    """Why a build given ``address`` (``host:port``) cannot use the Ray this process has
+    already initialised: that session is connected to another cluster's address (the line to
+    say); None where it is the same, or no such address was given (``$RAY_ADDRESS``, which
+    ``ray.init`` itself ignores once Ray is initialised, and the other forms use the session).
+    Before, the build used the session and encoded on a cluster the user did not name."""
+    asked = None if address is None else host_and_port(ray, address)
+    now = host_and_port(ray, ray.get_runtime_context().gcs_address)
+    if asked is None or now is None or asked == now:
+        return None
+    return (
+        f"Ray is already initialised in this process, connected to {now[0]}:{now[1]}, and "
+        f"--ray-address names another cluster ({address}): call ray.shutdown() before the "
+        "build, or give no --ray-address to build on this session"
+    )
 
 
 def ray_unreached(address: str, why: str) -> str:

@@ -32,7 +32,7 @@ from featbake.store.layout import Layout
 from featbake.store.shard import ShardReader
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 from tests.conftest import REPO, invoke, live_features, run_cli
-from tests.helpers import assert_store_consistent, stored_features
+from tests.helpers import assert_store_consistent, printed, stored_features
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
@@ -288,6 +288,32 @@ def test_a_name_that_does_not_resolve_answers_nothing() -> None:
 
     why = nothing_answers(ray, "no-such-host.invalid:6379")  # .invalid never resolves
     assert why is not None and why.startswith("nothing answers at no-such-host.invalid:6379")
+
+
+def test_an_address_of_another_cluster_than_the_processs_ray_session_is_refused(
+    ray_cluster: dict[str, str], clips: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    # This process's Ray is initialised (the module's instance). A build given --ray-address
+    # of another cluster used that session and encoded on it; now one line, exit 2, nothing
+    # published. The session's own address (as given, and as localhost) is the same cluster.
+    from featbake.bake.ray_engine import another_cluster
+
+    own = ray_cluster["RAY_ADDRESS"]
+    port = own.rpartition(":")[2]
+    assert another_cluster(ray, own) is None
+    assert another_cluster(ray, f"localhost:{port}") is None
+    assert another_cluster(ray, None) is None and another_cluster(ray, "auto") is None
+    store = tmp_path / "store"
+    address = closed_address()
+    args = ["build", "-e", encoder_file, "-d", clips, "--cache", store, "--json"]
+    r = invoke(*args, "--engine", "ray", "--workers", "1", "--ray-address", address)
+    assert r.returncode == 2, printed(r)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr, printed(r)
+    assert "already initialised in this process" in errors[0], errors[0]
+    assert f"({address})" in errors[0] and "ray.shutdown()" in errors[0], errors[0]
+    plain = invoke(*args)  # nothing was published: a plain build encodes all 6
+    assert plain.returncode == 0 and json.loads(plain.stdout)["encoded"] == 6, printed(plain)
 
 
 def test_a_ray_build_of_inputs_the_hash_cache_knows_connects_to_encode(
