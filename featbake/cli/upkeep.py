@@ -1030,7 +1030,7 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
             named = {inputs.path(p): p for p in paths}
             try:
                 now, bad = inputs.hash(DigestView(hashes, {}), list(named))
-                gone = _inputs_not_in_files(inputs, [named[full] for full in bad], hashes)
+                gone = _inputs_not_in_files(inputs, [named[full] for full in bad])
             except (FeatbakeError, OSError):
                 return {}
             return {named[full]: digest for full, digest in now.items()} | gone
@@ -1040,21 +1040,16 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
     return rows_for
 
 
-def _inputs_not_in_files(inputs: Any, rels: Sequence[str], hashes: Any) -> dict[str, str]:
-    """Of the rows ``rels`` that are no input now, those whose file reads (a segment past the
-    end of a recording rewritten shorter, or in bytes that are no audio now), each given
-    :data:`~featbake.export.source.NO_INPUT`: the build read that row's input, so its row or
-    file changed since. A row whose file cannot be read is left out (unknown)."""
-    from featbake.encode.fingerprints import hash_inputs
-    from featbake.encode.inputs import DigestView
-    from featbake.encode.manifests import RowInputs
+def _inputs_not_in_files(inputs: Any, rels: Sequence[str]) -> dict[str, str]:
+    """Of the listed items ``rels`` that cannot be hashed now, those still there (a segment
+    past the end of a recording rewritten shorter, a tar member cut short:
+    :func:`~featbake.encode.inputs.input_gone`, the rule a dataset serves by), each given
+    :data:`~featbake.export.source.NO_INPUT`: the build read that item's input, so it changed
+    since. An item whose input is gone is left out (unknown: exported as built)."""
+    from featbake.encode.inputs import input_gone
     from featbake.export.source import NO_INPUT
 
-    if not isinstance(inputs, RowInputs) or not rels:
-        return {}
-    files = {rel: inputs.items[rel].file for rel in rels if rel in inputs.items}
-    read, _ = hash_inputs(DigestView(hashes, {}), sorted(set(files.values())))
-    return {rel: NO_INPUT for rel, file in files.items() if file in read}
+    return {rel: NO_INPUT for rel in rels if not input_gone(inputs, rel, listed=True)}
 
 
 def _built_column(root: Any, given: str | None, candidates: Sequence[str] = ()) -> str | None:

@@ -560,6 +560,26 @@ def falling_back_to(inputs: Inputs, build_workdir: str) -> None:
         inputs.build_workdir = build_workdir
 
 
+def input_gone(inputs: Inputs, rel: str, listed: bool) -> bool:
+    """Whether item ``rel``, which cannot be hashed now, is gone since its build: no longer
+    listed (a folder's file, a tar's member, a table's row), or a folder's file or a manifest
+    row's own file that no longer exists. Else it is still there and cannot be read as it
+    now is (a segment past the end of its rewritten file, a channel the file no longer has, a
+    member cut short, a cell without bytes): not the input its stored features were made
+    from. The one rule of what a dataset serves as built and what an export calls changed.
+    An object in a bucket that a listing names is there (a stat per object is not paid)."""
+    from featbake.encode.manifests import RowInputs
+
+    if not listed:
+        return True
+    if isinstance(inputs, RowInputs):
+        item = inputs.items.get(rel)
+        file = None if item is None else item.file
+    else:
+        file = inputs.path(rel) if isinstance(inputs, Folder) else None
+    return file is not None and not bytes_at(file).remote and not os.path.lexists(file)
+
+
 def takes_paths_from_workdir(inputs: Inputs) -> bool:
     """Whether ``inputs`` takes relative paths from this process's working directory (a Kaldi
     folder or a cut manifest opened without a recorded folder)."""

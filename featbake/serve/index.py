@@ -26,11 +26,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from featbake.encode.fingerprints import hash_inputs, resolve_path
+from featbake.encode.fingerprints import hash_inputs
 from featbake.encode.inputs import (
-    Folder,
     Inputs,
     falling_back_to,
+    input_gone,
     inputs_at,
     keeps_order,
     workdir_of,
@@ -41,7 +41,6 @@ from featbake.encode.tables import Table
 from featbake.encode.webdataset import WebDataset
 from featbake.errors import SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
-from featbake.store.byteplace import bytes_at
 from featbake.store.catalog import ServingStore
 from featbake.store.hash_cache import FileStat
 from featbake.store.roots import Root, RootSpec
@@ -217,8 +216,9 @@ def build_index(
         inputs = inputs_at(data, column, spec.recipe.get("source"))
         return _index_place(inputs, spec, catalog, publish, new_root, column)
     # The folder scan's own checks first: a FIFO or a device in the list would block the
-    # first read forever, a symlink loop would fail the resolve below with a RuntimeError.
-    paths = [resolve_path(p) for p in check_input_files(data)]  # type: ignore[arg-type]
+    # first read forever. Absolute, each symlink kept as named (as a folder's files are): one
+    # re-pointed since is read, and revalidated, where it points now, not at its old target.
+    paths = [os.path.abspath(p) for p in check_input_files(data)]  # type: ignore[arg-type]
     stats: dict[str, FileStat] = {}
     digests, failed = hash_inputs(catalog, paths, stats=stats)
     raise_unreadable([p for p in paths if p in failed], failed)
@@ -301,20 +301,16 @@ def _not_as_built(
     catalog: ServingStore,
 ) -> str | None:
     """None where item ``rel``, which cannot be hashed now, may be served the features its
-    root's build stored (``built_key``): its input is gone since (no longer listed; a file,
-    or a row's file, that no longer exists). Else why not (``""``: the hash's own reason).
+    root's build stored (``built_key``): its input is gone since (:func:`input_gone`). Else
+    why not (``""``: the hash's own reason).
 
-    An input still there that cannot be read as its row now says (a segment past the end of
-    its rewritten file, a channel it no longer has, a tar member cut short, a table cell with
-    no bytes) is not the input those features were made from, nor is a row changed since the
-    build to name another file that is gone: a whole-file row whose file the hash cache knew
-    is checked to be keyed as its root says (a segment's key needs its file's header: a gone
-    file's segment rows are served as built unchecked).
+    An input still there that cannot be read as its row now says is not the input those
+    features were made from, nor is a row changed since the build to name another file that
+    is gone: a whole-file row whose file the hash cache knew is checked to be keyed as its
+    root says (a segment's key needs its file's header: a gone file's segment rows are served
+    as built unchecked).
     """
-    if built_key is None:
-        return ""
-    file = _file_of(inputs, rel)
-    if listed and (file is None or bytes_at(file).remote or os.path.lexists(file)):
+    if built_key is None or not input_gone(inputs, rel, listed):
         return ""
     item = inputs.items.get(rel) if isinstance(inputs, RowInputs) else None
     if item is None or item.span is not None or item.effects is not None:
@@ -326,15 +322,6 @@ def _not_as_built(
             "(the row named another since its build)"
         )
     return None
-
-
-def _file_of(inputs: Inputs, rel: str) -> str | None:
-    """The file item ``rel`` is read from, where it is one file of its own (a folder's file,
-    a manifest row's file); None for a member of a container (a tar's, a table's)."""
-    if isinstance(inputs, RowInputs):
-        item = inputs.items.get(rel)
-        return None if item is None else item.file
-    return inputs.path(rel) if isinstance(inputs, Folder) else None
 
 
 def _built_root(

@@ -145,6 +145,32 @@ def test_a_tar_member_cut_short_is_not_served_its_old_features(
     torch.testing.assert_close(ds[0], _live(encoder_file, s1, tmp_path))
 
 
+def test_an_export_leaves_out_a_tar_member_cut_short_as_a_dataset_does(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """The export's check reads the data by the dataset's rule (``inputs.input_gone``): the
+    member cut short is still listed, so it changed since its build and is left out
+    (``changed`` 1); it was exported as built, counted ``unchecked``. s1 is exported with its
+    features, checked."""
+    from tests.conftest import invoke
+    from tests.helpers import printed
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    s1, s2_old, s2_new = _wav(0.3, 1), _wav(0.3, 2), _wav(0.3, 9)
+    shard = tmp_path / "shard-000.tar"
+    shard.write_bytes(_tar([("s1.wav", s1), ("s2.wav", s2_old)]))
+    assert not bake(shard, encoder_file, store_dir).failed
+    new = _tar([("s1.wav", s1), ("s2.wav", s2_new)])
+    shard.write_bytes(new[: new.find(s2_new) + len(s2_new) // 2])
+    out = tmp_path / "e.parquet"
+    r = invoke("export", "--format", "parquet", out, "--cache", store_dir, "--json")
+    assert r.returncode == 0, printed(r)
+    report = json.loads(r.stdout)
+    assert (report["items"], report["changed"], report["unchecked"]) == (1, 1, 0), printed(r)
+    table = pq.read_table(out).to_pylist()
+    assert [t["id"] for t in table] == ["s1"], table
+
+
 # == r17.7: a folder's file swapped and put back while a miss decodes it ===========================
 def test_a_file_swapped_back_while_a_miss_decodes_it_stores_nothing_under_its_key(
     encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -194,3 +220,27 @@ def test_a_file_swapped_back_while_a_miss_decodes_it_stores_nothing_under_its_ke
     assert clip.read_bytes() == v1
     again = CachedFeatureDataset(folder, encoder_file, cache=store_dir)
     torch.testing.assert_close(again[0], _live(encoder_file, v1, tmp_path))
+
+
+# == r17.8: a list of paths holding a symlink re-pointed since =====================================
+def test_a_listed_symlink_repointed_since_is_revalidated_where_it_points_now(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """A list of paths naming a symlink to take 1, ``revalidate=True``; the link re-pointed at
+    take 2 (how a "current" link is updated). The list's paths were resolved once, so the
+    dataset kept checking take 1 and served its features; now each path is kept as named, as
+    a folder's files are: take 2's features (a miss, encoded live)."""
+    takes = tmp_path / "takes"
+    takes.mkdir()
+    t1, t2 = _wav(0.4, 1), _wav(0.4, 2)
+    (takes / "t1.wav").write_bytes(t1)
+    (takes / "t2.wav").write_bytes(t2)
+    link = tmp_path / "current.wav"
+    link.symlink_to(takes / "t1.wav")
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset([link], encoder_file, cache=store_dir, revalidate=True)
+    assert ds.path(0) == str(link)
+    torch.testing.assert_close(ds[0], _live(encoder_file, t1, tmp_path))
+    link.unlink()
+    link.symlink_to(takes / "t2.wav")
+    torch.testing.assert_close(ds[0], _live(encoder_file, t2, tmp_path))
