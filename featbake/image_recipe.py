@@ -6,8 +6,9 @@ antialiasing, centre crop, rescale and normalisation. It is hashed into the key 
 :class:`featbake.recipe.Recipe`, so two transforms can never share stored features (linear-probe
 caches keyed by a dataset and model name alone are the bug this avoids).
 
-Defaults come from a Hugging Face folder's ``preprocessor_config.json``
-(:meth:`ImageRecipe.from_processor`), or are given as options. The steps run in the order
+Defaults come from a Hugging Face folder's image processor settings, what its config leaves
+out as the processor's class has it (:meth:`ImageRecipe.from_processor`,
+:data:`PROCESSOR_DEFAULTS`), or are given as options. The steps run in the order
 transformers' image processors run them: resize, centre crop, rescale, normalise
 (``PilBackend._preprocess``); the arithmetic is here (:func:`resized_size`,
 :func:`crop_box`) and the pixels are moved in :mod:`featbake.encode.images`.
@@ -44,6 +45,60 @@ PLAIN_PROCESSORS = frozenset(
         "Dinov2ImageProcessor",
     }
 )
+
+
+#: OpenAI CLIP's normalisation, CLIP's and BiT's processors' defaults.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+#: transformers' ``IMAGENET_STANDARD_MEAN`` / ``_STD``.
+HALF = (0.5, 0.5, 0.5)
+
+
+@dataclass(frozen=True)
+class ProcessorDefaults:
+    """What a plain processor's class does with a setting its config leaves out (or sets to
+    null), as transformers' class does it: each such setting's value, and how it reads an int
+    ``size`` (a square, or the shortest edge: its ``default_to_square``). Taking featbake's
+    own defaults instead (bilinear, no crop, an int size as a square without a crop) gave a
+    config that leaves them out other pixels than transformers' processor gives.
+    ``tests/test_image_recipe.py`` checks the table against transformers itself."""
+
+    size: Mapping[str, int]
+    crop_size: Mapping[str, int] | None
+    do_center_crop: bool
+    resample: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    int_size_is_square: bool
+
+    def settings(self) -> dict[str, Any]:
+        """The settings a config leaving them all out has."""
+        out = {
+            "size": dict(self.size),
+            "do_center_crop": self.do_center_crop,
+            "resample": self.resample,
+            "image_mean": list(self.image_mean),
+            "image_std": list(self.image_std),
+        }
+        return out | ({"crop_size": dict(self.crop_size)} if self.crop_size else {})
+
+
+_SQUARE_224 = {"height": 224, "width": 224}
+#: Each plain processor's class defaults (``Dinov2ImageProcessor`` is no transformers class:
+#: its configs are read as given, an int size as before).
+PROCESSOR_DEFAULTS: dict[str, ProcessorDefaults] = {
+    "ViTImageProcessor": ProcessorDefaults(_SQUARE_224, None, False, 2, HALF, HALF, True),
+    "CLIPImageProcessor": ProcessorDefaults(
+        {"shortest_edge": 224}, _SQUARE_224, True, 3, CLIP_MEAN, CLIP_STD, False
+    ),
+    "BitImageProcessor": ProcessorDefaults(
+        {"shortest_edge": 224}, _SQUARE_224, True, 3, CLIP_MEAN, CLIP_STD, False
+    ),
+    "SiglipImageProcessor": ProcessorDefaults(_SQUARE_224, None, False, 3, HALF, HALF, False),
+    "DeiTImageProcessor": ProcessorDefaults(
+        {"height": 256, "width": 256}, _SQUARE_224, True, 3, HALF, HALF, True
+    ),
+}
 
 
 class Interpolation(StrEnum):
@@ -260,13 +315,18 @@ class ImageRecipe:
                 f"reproduce (it runs {', '.join(sorted(PLAIN_PROCESSORS))}); give the transform "
                 "with --resize/--crop/--mean/--std and a TorchScript or import-path encoder"
             )
+        defaults = PROCESSOR_DEFAULTS.get(kind)
+        if defaults is not None:  # what the class does with a setting left out, or null
+            given = {k: v for k, v in config.items() if v is not None}
+            config = defaults.settings() | given
+        square = None if defaults is None else defaults.int_size_is_square
         crop = config.get("crop_size") if config.get("do_center_crop", False) else None
         mean, std = config.get("image_mean"), config.get("image_std")
         normalize = bool(config.get("do_normalize", True))
         if normalize and (mean is None or std is None):
             raise ConfigError(f"{where} sets do_normalize but not image_mean and image_std")
         return cls(
-            resize=_processor_resize(config, where),
+            resize=_processor_resize(config, where, square),
             interpolation=Interpolation.parse(config.get("resample", Interpolation.BILINEAR.pil)),
             crop=_processor_size(crop, where, "crop_size") if crop is not None else None,
             rescale=float(config.get("rescale_factor", RESCALE_255))
@@ -326,16 +386,18 @@ def describe_fields(fields: Mapping[str, Any]) -> str:
     return " ".join(bits)
 
 
-def _processor_resize(config: Mapping[str, Any], where: str) -> Resize:
+def _processor_resize(config: Mapping[str, Any], where: str, square: bool | None) -> Resize:
+    """The resize of a processor's config; ``square``: whether its class reads an int ``size``
+    as a square (transformers' ``default_to_square``), None where it is not known (then a
+    processor with a centre crop is read as CLIP-like, the shortest edge, and one without as
+    ViT-like, a square)."""
     if not config.get("do_resize", True):
         return Resize(ResizeKind.NONE, 0, 0)
     size = config.get("size")
     if isinstance(size, int) and not isinstance(size, bool):
-        # An old-style int size: CLIP-like processors (with a centre crop) meant the shortest
-        # edge, ViT-like ones (no crop) a square; transformers' default_to_square per class.
-        if config.get("do_center_crop", False):
-            return Resize(ResizeKind.SHORTEST_EDGE, size)
-        return Resize.exact(size, size)
+        if square is None:
+            square = not config.get("do_center_crop", False)
+        return Resize.exact(size, size) if square else Resize(ResizeKind.SHORTEST_EDGE, size)
     if isinstance(size, Mapping) and set(size) == {"shortest_edge"}:
         return Resize(ResizeKind.SHORTEST_EDGE, int(size["shortest_edge"]))
     exact = _processor_size(size, where, "size")

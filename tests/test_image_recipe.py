@@ -17,6 +17,7 @@ from featbake.errors import ConfigError
 from featbake.image_recipe import (
     IMAGE_OPTIONS,
     MAX_SIDE,
+    PROCESSOR_DEFAULTS,
     ColourMode,
     ImageRecipe,
     Interpolation,
@@ -76,12 +77,45 @@ def test_processor_configs_become_recipes() -> None:
         ({**VIT, "image_processor_type": "ConvNextImageProcessor"}, "does not reproduce"),
         ({**VIT, "do_pad": True}, "does not reproduce"),
         ({**VIT, "size": {"shortest_edge": 224, "longest_edge": 448}}, "--resize"),
-        ({**VIT, "image_mean": None}, "image_mean"),
+        ({**VIT, "image_processor_type": "Dinov2ImageProcessor", "image_mean": None}, "mean"),
     ],
 )
 def test_processors_featbake_cannot_reproduce_are_refused(config: dict, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         ImageRecipe.from_processor(config)
+
+
+#: Configs that leave settings out (or null), as a processor saved long ago or by hand does.
+PARTIAL_CONFIGS = [
+    {},
+    {"size": 40},
+    {"size": 40, "crop_size": 32},
+    {"size": 40, "do_center_crop": False},
+    {"size": {"height": 48, "width": 40}, "do_center_crop": False, "resample": None},
+    {"image_mean": None, "image_std": None, "crop_size": {"height": 30, "width": 30}},
+    {"do_normalize": False, "do_rescale": False, "size": 36},
+]
+
+
+@pytest.mark.parametrize("kind", sorted(PROCESSOR_DEFAULTS))
+def test_what_a_processor_config_leaves_out_is_what_transformers_class_gives(
+    tmp_path: Path, kind: str
+) -> None:
+    """A config read by featbake makes the recipe that the same processor's every setting,
+    as transformers resolves them (``AutoImageProcessor(...).to_dict()``), makes: the class's
+    defaults for what it leaves out, an int size as the class reads it. featbake took its
+    own (bilinear, no crop, an int size as a square without a crop): a CLIP config without
+    ``resample`` was resized bilinear, a BiT one without ``do_center_crop`` not cropped."""
+    transformers = pytest.importorskip("transformers")
+    json = pytest.importorskip("json")
+    for i, partial in enumerate(PARTIAL_CONFIGS):
+        config = {"image_processor_type": kind, **partial}
+        folder = tmp_path / f"p{i}"
+        folder.mkdir()
+        (folder / "preprocessor_config.json").write_text(json.dumps(config))
+        resolved = transformers.AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+        want = ImageRecipe.from_processor(resolved.to_dict())
+        assert ImageRecipe.from_processor(config) == want, (kind, partial)
 
 
 def test_every_step_is_in_the_key_and_audio_keys_do_not_see_it() -> None:

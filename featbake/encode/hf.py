@@ -30,10 +30,12 @@ from featbake.encode import fingerprints
 from featbake.encode.encoders import LoadedEncoder, LoadedFrom, from_module
 from featbake.encode.fingerprints import FolderState
 from featbake.encode.hf_folders import (
+    AUDIO_PARTS,
     PREPROCESSOR_FILE,
     image_recipe_for_folder,
     is_text_folder,
     is_vision_folder,
+    processor_settings,
     read_config,
     text_recipe_for_folder,
     tower_config,
@@ -260,19 +262,13 @@ class Preprocessor:
 
     @classmethod
     def of_folder(cls, folder: str | os.PathLike[str]) -> Preprocessor:
-        """Read the folder's preprocessor config; Wav2Vec2FeatureExtractor's defaults if none."""
-        path = Path(folder) / PREPROCESSOR_FILE
-        if not path.is_file():
+        """Read the folder's feature extractor settings as transformers does
+        (:func:`~featbake.encode.hf_folders.processor_settings`); Wav2Vec2FeatureExtractor's
+        defaults if none."""
+        found = processor_settings(folder, AUDIO_PARTS)
+        if found is None:
             return cls()
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise EncoderLoadError(f"cannot read {path}: {e}") from e
-        if not isinstance(raw, dict):
-            raise EncoderLoadError(
-                f"{path} holds a JSON {type(raw).__name__}, not an object of settings such as "
-                '{"sampling_rate": 16000}; restore the file from the model\'s release'
-            )
+        raw, path = found.values, found.where
         return cls(
             sampling_rate=_sampling_rate(path, raw.get("sampling_rate", cls.sampling_rate)),
             do_normalize=bool(raw.get("do_normalize", cls.do_normalize)),
@@ -280,7 +276,7 @@ class Preprocessor:
         )
 
 
-def _sampling_rate(path: Path, value: object) -> int:
+def _sampling_rate(path: str, value: object) -> int:
     """The config's ``sampling_rate`` as whole Hz; anything else names the file and the value."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)

@@ -1,6 +1,6 @@
 """A Hugging Face model folder's files as the recipe reads them, without torch or transformers.
 
-What ``featbake build``'s options and a folder's ``preprocessor_config.json`` or tokenizer make
+What ``featbake build``'s options and a folder's processor settings or tokenizer make
 of the recipe (:func:`image_steps_for`, :func:`text_steps_for`) is read from the folder's JSON
 files, so a command refuses a wrong option, or names a missing encoder, before torch is
 imported (seconds of CPU). A tokenizer is loaded with transformers only for a text folder's
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,70 @@ from featbake.keys import canonical_json, sha256_file, sha256_hex
 from featbake.recipe import TextRecipe
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
+#: A whole processor's settings as transformers 5 saves them (``processor.save_pretrained``),
+#: each part in a section of its own; transformers reads a part there before
+#: :data:`PREPROCESSOR_FILE`.
+PROCESSOR_FILE = "processor_config.json"
+#: The sections of :data:`PROCESSOR_FILE` an image processor's and an audio feature
+#: extractor's settings are read from, in transformers' order.
+IMAGE_PARTS = ("image_processor",)
+AUDIO_PARTS = ("feature_extractor", "audio_processor")
+
+
+@dataclass(frozen=True)
+class ProcessorSettings:
+    """One processor part's settings in a folder, and where they were read (for messages)."""
+
+    values: dict[str, Any]
+    where: str
+
+
+def processor_settings(
+    folder: str | os.PathLike[str], parts: tuple[str, ...]
+) -> ProcessorSettings | None:
+    """A processor part's settings as transformers reads them: the section of
+    :data:`PROCESSOR_FILE` named by the first of ``parts`` it holds (a whole processor saved by
+    transformers 5), else :data:`PREPROCESSOR_FILE`; None when the folder has neither. Reading
+    only the second, a processor saved again with new settings kept serving the old file's.
+
+    Raises:
+        EncoderLoadError: a file exists but is not a JSON object (or its section is not one).
+    """
+    whole_path = Path(folder) / PROCESSOR_FILE
+    whole = _settings_file(whole_path)
+    for part in parts if whole is not None else ():
+        if part in whole:  # type: ignore[operator]
+            section = whole[part]  # type: ignore[index]
+            where = f"{whole_path} ({part})"
+            if not isinstance(section, dict):
+                raise EncoderLoadError(
+                    f"{where} holds a JSON {type(section).__name__}, not an object of settings; "
+                    "save the processor again (processor.save_pretrained)"
+                )
+            return ProcessorSettings(section, where)
+    path = Path(folder) / PREPROCESSOR_FILE
+    legacy = _settings_file(path)
+    return None if legacy is None else ProcessorSettings(legacy, str(path))
+
+
+def _settings_file(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None when there is no such file.
+
+    Raises:
+        EncoderLoadError: it cannot be read, or holds something else than an object.
+    """
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise EncoderLoadError(f"cannot read {path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise EncoderLoadError(
+            f"{path} holds a JSON {type(raw).__name__}, not an object of settings; restore the "
+            "file from the model's release"
+        )
+    return raw
 
 
 def tower_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -28,23 +93,18 @@ def tower_config(config: dict[str, Any]) -> dict[str, Any]:
     return vision if isinstance(vision, dict) and "num_hidden_layers" not in config else config
 
 
-def image_processor_config(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The folder's image processor settings, or None when it has no image processor.
+def image_processor_config(folder: str | os.PathLike[str]) -> ProcessorSettings | None:
+    """The folder's image processor settings (:func:`processor_settings`), or None when it has
+    no image processor.
 
     Raises:
-        EncoderLoadError: the file exists but is not a JSON object.
+        EncoderLoadError: a settings file exists but is not a JSON object.
     """
-    path = Path(folder) / PREPROCESSOR_FILE
-    if not path.is_file():
+    found = processor_settings(folder, IMAGE_PARTS)
+    if found is None:
         return None
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise EncoderLoadError(f"cannot read {path}: {e}") from e
-    if not isinstance(raw, dict):
-        raise EncoderLoadError(f"{path} holds a JSON {type(raw).__name__}, not settings")
-    is_image = "image_processor_type" in raw or "image_mean" in raw
-    return raw if is_image else None
+    is_image = "image_processor_type" in found.values or "image_mean" in found.values
+    return found if is_image else None
 
 
 def is_vision_folder(folder: str | os.PathLike[str]) -> bool:
@@ -68,11 +128,11 @@ def image_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> I
     config = image_processor_config(folder)
     if config is None:
         raise EncoderLoadError(
-            f"{folder} has no image processor ({PREPROCESSOR_FILE} with image_processor_type); "
-            "save one beside the model (processor.save_pretrained) or use --source image with "
-            "the transform given as options"
+            f"{folder} has no image processor ({PROCESSOR_FILE} or {PREPROCESSOR_FILE} with "
+            "image_processor_type); save one beside the model (processor.save_pretrained) or "
+            "use --source image with the transform given as options"
         )
-    steps = ImageRecipe.from_processor(config, where=str(Path(folder) / PREPROCESSOR_FILE))
+    steps = ImageRecipe.from_processor(config.values, where=config.where)
     return steps.replace(**changes) if changes else steps
 
 

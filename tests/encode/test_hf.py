@@ -24,7 +24,7 @@ from featbake.encode.hf import WeightsMismatch, load_hf_folder, recipe_for_folde
 from featbake.encode.images import decode_image
 from featbake.encode.loaders import load_encoder
 from featbake.encode.sources import source_for
-from featbake.errors import ConfigError
+from featbake.errors import ConfigError, EncoderLoadError
 from featbake.image_recipe import Size
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
@@ -580,6 +580,56 @@ def test_an_edited_processor_changes_the_key(tmp_path: Path, folders: dict[str, 
     config_path.write_text(json.dumps(original))
     mine = Recipe(image=before.image_steps.replace(crop=Size(28, 28)))
     assert recipe_for_folder(folder, mine).image_steps.crop == (28, 28)
+
+
+def test_a_processor_saved_whole_is_read_where_transformers_reads_it(
+    tmp_path: Path, images: Path, folders: dict[str, Path]
+) -> None:
+    """transformers 5 saves a whole processor (``CLIPProcessor.save_pretrained``) to
+    ``processor_config.json``, each part in a section, and reads an image processor there
+    before ``preprocessor_config.json``. featbake read only the latter: re-saved with a new
+    ``image_mean`` beside the old file, a folder kept its key, and its store served the
+    features of the old normalisation. Now the key follows the section: the old features
+    are not served (a miss), and what is encoded equals transformers' processor and model."""
+    from featbake.errors import CacheMiss
+
+    folder = shutil.copytree(folders["clip"], tmp_path / "clip")
+    store = tmp_path / "s"
+    build(images, folder, cache=store, workers=0)
+    settings = json.loads((folder / "preprocessor_config.json").read_text())
+    whole = {"image_processor": {**settings, "image_mean": [0.1, 0.2, 0.3]}}
+    (folder / "processor_config.json").write_text(json.dumps(whole))
+    resolved = transformers.AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+    assert list(resolved.image_mean) == [0.1, 0.2, 0.3]  # transformers' own order of files
+    assert recipe_for_folder(folder, Recipe()).image_steps.mean == (0.1, 0.2, 0.3)
+    stale = CachedFeatureDataset(images, folder, cache=store, on_miss="error")
+    with pytest.raises(CacheMiss):
+        stale[0]
+    with pytest.warns(UserWarning, match=r"image\.mean=\[0\.48145466.* \[0\.1, 0\.2, 0\.3\]"):
+        ds = CachedFeatureDataset(images, folder, cache=store)  # says what the store holds
+    want = vision_reference(folder, Path(ds.path(0)), ds.recipe)
+    assert rel_error(ds[0]["tokens"], want.last_hidden_state[0]) < 1e-5
+    assert rel_error(ds[0]["pooled"], want.pooler_output[0]) < 1e-5
+
+
+def test_a_feature_extractor_saved_whole_is_read_where_transformers_reads_it(
+    tmp_path: Path,
+) -> None:
+    """The same order for an audio model's feature extractor: ``processor_config.json``'s
+    ``feature_extractor`` section first (its sampling rate and normalisation are the
+    recipe's), as ``AutoFeatureExtractor`` reads it; a section that is not settings is one
+    line naming the file and the section."""
+    folder = save_model(tmp_path / "m", normalize=True, rate=16000)
+    settings = json.loads((folder / "preprocessor_config.json").read_text())
+    whole = {"feature_extractor": {**settings, "sampling_rate": 8000, "do_normalize": False}}
+    (folder / "processor_config.json").write_text(json.dumps(whole))
+    resolved = transformers.AutoFeatureExtractor.from_pretrained(folder, local_files_only=True)
+    recipe = recipe_for_folder(folder, Recipe())
+    assert recipe.sample_rate == resolved.sampling_rate == 8000
+    assert recipe.normalize is resolved.do_normalize is False
+    (folder / "processor_config.json").write_text(json.dumps({"feature_extractor": [8000]}))
+    with pytest.raises(EncoderLoadError, match=r"processor_config.json \(feature_extractor\)"):
+        recipe_for_folder(folder, Recipe())
 
 
 def test_a_processor_featbake_cannot_reproduce_is_refused(
