@@ -104,11 +104,7 @@ def test_kaldi_and_cuts_opened_with_a_recorded_folder_take_paths_from_it(
     monkeypatch.chdir(tmp_path)
     clips = _aged_clips(tmp_path, 2)
     cuts = _relative_cuts(tmp_path, clips)
-    with gzip.open(cuts, "rt") as f:
-        rows = [json.loads(line) for line in f]
-    rows[1]["recording"]["transforms"] = [{"name": "Volume", "kwargs": {"factor": 0.5}}]
-    with gzip.open(cuts, "wt") as g:
-        g.write("".join(json.dumps(r) + "\n" for r in rows))
+    _second_cut_at_half_volume(cuts)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -138,6 +134,16 @@ def _relative_kaldi(tmp_path: Path, clips: list[Path]) -> tuple[Path, list[str]]
     rel = [os.path.relpath(c, tmp_path) for c in clips]
     (kaldi / "wav.scp").write_text("".join(f"r{i} {p}\n" for i, p in enumerate(rel)))
     return kaldi, rel
+
+
+def _second_cut_at_half_volume(cuts: Path) -> None:
+    """Give the second cut of ``cuts`` a recording ``transforms`` (lhotse's ``Volume``), which
+    lhotse's own code decodes."""
+    with gzip.open(cuts, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    rows[1]["recording"]["transforms"] = [{"name": "Volume", "kwargs": {"factor": 0.5}}]
+    with gzip.open(cuts, "wt") as g:
+        g.write("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _as_schema_3(store: Path) -> None:
@@ -390,11 +396,7 @@ def test_a_finder_given_the_builds_folder_says_where_each_path_was_found(
     monkeypatch.chdir(tmp_path)
     clips = _aged_clips(tmp_path, 2)
     cuts = _relative_cuts(tmp_path, clips)
-    with gzip.open(cuts, "rt") as f:
-        rows = [json.loads(line) for line in f]
-    rows[1]["recording"]["transforms"] = [{"name": "Volume", "kwargs": {"factor": 0.5}}]
-    with gzip.open(cuts, "wt") as g:
-        g.write("".join(json.dumps(r) + "\n" for r in rows))
+    _second_cut_at_half_volume(cuts)
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     inputs = inputs_at(cuts)

@@ -48,6 +48,15 @@ def _ids(ds: CachedFeatureDataset) -> list[str]:
     return [ds.item_id(i) for i in range(len(ds))]
 
 
+def _leaving_out(data: Path, encoder: Path, store: Path, words: str) -> CachedFeatureDataset:
+    """A dataset over ``data`` made under exactly one-line warnings, one matching ``words``
+    (the rows it leaves out, and why)."""
+    with pytest.warns(UserWarning, match=words) as caught:
+        ds = CachedFeatureDataset(data, encoder, cache=store)
+    assert all("\n" not in str(w.message) for w in caught)
+    return ds
+
+
 # == r17.4: a row changed to name a file that is gone ==============================================
 def test_a_row_changed_to_name_a_deleted_file_is_not_served_another_files_features(
     encoder_file: Path, store_dir: Path, tmp_path: Path
@@ -67,9 +76,7 @@ def test_a_row_changed_to_name_a_deleted_file_is_not_served_another_files_featur
     rows = [{"id": "u1", "path": "y.wav"}, {"id": "u2", "path": "x.wav"}]
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "x.wav").unlink()
-    with pytest.warns(UserWarning, match=r"1 row\(s\).*of another file") as caught:
-        ds = CachedFeatureDataset(manifest, encoder_file, cache=store_dir)
-    assert all("\n" not in str(w.message) for w in caught)
+    ds = _leaving_out(manifest, encoder_file, store_dir, r"1 row\(s\).*of another file")
     assert _ids(ds) == ["u1"]
     torch.testing.assert_close(ds[0], _live(encoder_file, y, tmp_path))
 
@@ -108,9 +115,7 @@ def test_a_segment_past_the_end_of_its_rewritten_file_is_left_out(
     manifest.write_text("id,path,start,end\nu1,a.wav,0.1,0.4\nu2,b.wav,,\n")
     assert not bake(manifest, encoder_file, store_dir).failed
     (tmp_path / "a.wav").write_bytes(_wav(0.3, 7))
-    with pytest.warns(UserWarning, match=r"1 row\(s\).*segs.csv:2") as caught:
-        ds = CachedFeatureDataset(manifest, encoder_file, cache=store_dir)
-    assert all("\n" not in str(w.message) for w in caught)
+    ds = _leaving_out(manifest, encoder_file, store_dir, r"1 row\(s\).*segs.csv:2")
     assert _ids(ds) == ["u2"]
     torch.testing.assert_close(ds[0], _live(encoder_file, b, tmp_path))
 
@@ -138,9 +143,7 @@ def test_a_tar_member_cut_short_is_not_served_its_old_features(
     assert not bake(shard, encoder_file, store_dir).failed
     new = _tar([("s1.wav", s1), ("s2.wav", s2_new)])
     shard.write_bytes(new[: new.find(s2_new) + len(s2_new) // 2])
-    with pytest.warns(UserWarning, match=r"1 row\(s\)") as caught:
-        ds = CachedFeatureDataset(shard, encoder_file, cache=store_dir)
-    assert all("\n" not in str(w.message) for w in caught)
+    ds = _leaving_out(shard, encoder_file, store_dir, r"1 row\(s\)")
     assert _ids(ds) == ["s1"]
     torch.testing.assert_close(ds[0], _live(encoder_file, s1, tmp_path))
 
