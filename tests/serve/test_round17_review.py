@@ -57,6 +57,17 @@ def _leaving_out(data: Path, encoder: Path, store: Path, words: str) -> CachedFe
     return ds
 
 
+def _built_manifest(tmp_path: Path, x: bytes, y: bytes, encoder: Path, store: Path) -> Path:
+    """``train.jsonl``: u1 -> x.wav, u2 -> y.wav (``x``, ``y`` written beside it), built."""
+    (tmp_path / "x.wav").write_bytes(x)
+    (tmp_path / "y.wav").write_bytes(y)
+    manifest = tmp_path / "train.jsonl"
+    rows = [{"id": "u1", "path": "x.wav"}, {"id": "u2", "path": "y.wav"}]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert not bake(manifest, encoder, store).failed
+    return manifest
+
+
 # == r17.4: a row changed to name a file that is gone ==============================================
 def test_a_row_changed_to_name_a_deleted_file_is_not_served_another_files_features(
     encoder_file: Path, store_dir: Path, tmp_path: Path
@@ -67,12 +78,7 @@ def test_a_row_changed_to_name_a_deleted_file_is_not_served_another_files_featur
     recorded key is not x.wav's, so u2 is left out in one warning naming why; u1 (y.wav)
     is y.wav's features."""
     x, y = _wav(0.4, 1), _wav(0.4, 2)
-    (tmp_path / "x.wav").write_bytes(x)
-    (tmp_path / "y.wav").write_bytes(y)
-    manifest = tmp_path / "train.jsonl"
-    rows = [{"id": "u1", "path": "x.wav"}, {"id": "u2", "path": "y.wav"}]
-    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert not bake(manifest, encoder_file, store_dir).failed
+    manifest = _built_manifest(tmp_path, x, y, encoder_file, store_dir)
     rows = [{"id": "u1", "path": "y.wav"}, {"id": "u2", "path": "x.wav"}]
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "x.wav").unlink()
@@ -88,12 +94,7 @@ def test_a_row_whose_file_was_deleted_is_still_served_as_built(
     build (its raw audio removed once baked): its row is served the features of the bytes it
     had, and the other row its file's features now."""
     x, y = _wav(0.4, 1), _wav(0.3, 2)
-    (tmp_path / "x.wav").write_bytes(x)
-    (tmp_path / "y.wav").write_bytes(y)
-    manifest = tmp_path / "train.jsonl"
-    rows = [{"id": "u1", "path": "x.wav"}, {"id": "u2", "path": "y.wav"}]
-    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert not bake(manifest, encoder_file, store_dir).failed
+    manifest = _built_manifest(tmp_path, x, y, encoder_file, store_dir)
     (tmp_path / "x.wav").unlink()
     ds = CachedFeatureDataset(manifest, encoder_file, cache=store_dir, on_miss="error")
     assert _ids(ds) == ["u1", "u2"]
@@ -131,18 +132,25 @@ def _tar(members: list[tuple[str, bytes]]) -> bytes:
     return buf.getvalue()
 
 
+def _built_then_cut_short(tmp_path: Path, encoder: Path, store: Path) -> tuple[Path, bytes]:
+    """A shard of s1 and s2 built into ``store``, then replaced by a new version copied
+    halfway (its new s2 cut short); the shard and s1's bytes."""
+    s1, s2_old, s2_new = _wav(0.3, 1), _wav(0.3, 2), _wav(0.3, 9)
+    shard = tmp_path / "shard-000.tar"
+    shard.write_bytes(_tar([("s1.wav", s1), ("s2.wav", s2_old)]))
+    assert not bake(shard, encoder, store).failed
+    new = _tar([("s1.wav", s1), ("s2.wav", s2_new)])
+    shard.write_bytes(new[: new.find(s2_new) + len(s2_new) // 2])
+    return shard, s1
+
+
 def test_a_tar_member_cut_short_is_not_served_its_old_features(
     encoder_file: Path, store_dir: Path, tmp_path: Path
 ) -> None:
     """A webdataset shard replaced by a new version copied halfway, so its s2 member (new
     bytes) is cut short. s2 was served its old bytes' features, which no file holds now. It
     is left out in one warning; s1 (unchanged) is served its features."""
-    s1, s2_old, s2_new = _wav(0.3, 1), _wav(0.3, 2), _wav(0.3, 9)
-    shard = tmp_path / "shard-000.tar"
-    shard.write_bytes(_tar([("s1.wav", s1), ("s2.wav", s2_old)]))
-    assert not bake(shard, encoder_file, store_dir).failed
-    new = _tar([("s1.wav", s1), ("s2.wav", s2_new)])
-    shard.write_bytes(new[: new.find(s2_new) + len(s2_new) // 2])
+    shard, s1 = _built_then_cut_short(tmp_path, encoder_file, store_dir)
     ds = _leaving_out(shard, encoder_file, store_dir, r"1 row\(s\)")
     assert _ids(ds) == ["s1"]
     torch.testing.assert_close(ds[0], _live(encoder_file, s1, tmp_path))
@@ -153,25 +161,22 @@ def test_an_export_leaves_out_a_tar_member_cut_short_as_a_dataset_does(
 ) -> None:
     """The export's check reads the data by the dataset's rule (``inputs.input_gone``): the
     member cut short is still listed, so it changed since its build and is left out
-    (``changed`` 1); it was exported as built, counted ``unchecked``. s1 is exported with its
-    features, checked."""
+    (``changed`` 1); it was exported as built, counted ``unchecked``. s1 is exported with the
+    encoder's features of its bytes, checked."""
     from tests.conftest import invoke
     from tests.helpers import printed
 
     pq = pytest.importorskip("pyarrow.parquet")
-    s1, s2_old, s2_new = _wav(0.3, 1), _wav(0.3, 2), _wav(0.3, 9)
-    shard = tmp_path / "shard-000.tar"
-    shard.write_bytes(_tar([("s1.wav", s1), ("s2.wav", s2_old)]))
-    assert not bake(shard, encoder_file, store_dir).failed
-    new = _tar([("s1.wav", s1), ("s2.wav", s2_new)])
-    shard.write_bytes(new[: new.find(s2_new) + len(s2_new) // 2])
+    _, s1 = _built_then_cut_short(tmp_path, encoder_file, store_dir)
     out = tmp_path / "e.parquet"
     r = invoke("export", "--format", "parquet", out, "--cache", store_dir, "--json")
     assert r.returncode == 0, printed(r)
     report = json.loads(r.stdout)
     assert (report["items"], report["changed"], report["unchecked"]) == (1, 1, 0), printed(r)
-    table = pq.read_table(out).to_pylist()
-    assert [t["id"] for t in table] == ["s1"], table
+    (row,) = pq.read_table(out).to_pylist()
+    assert row["id"] == "s1", row["id"]
+    got = torch.tensor(np.array(row["features"], dtype=np.float32)).reshape(row["features_shape"])
+    torch.testing.assert_close(got, _live(encoder_file, s1, tmp_path))
 
 
 # == r17.7: a folder's file swapped and put back while a miss decodes it ===========================
