@@ -6,7 +6,7 @@ finds it without loading the encoder (see :mod:`featbake.serve.misses` for the e
 fingerprint). Input files are looked up in the hash cache; a changed file is hashed again and
 gets its new key (which then misses and is encoded), an input gone since the build (a file
 deleted, a member no longer listed) keeps its manifest key and is still served from the store;
-one still there that cannot be read as it is now is not (:func:`_not_as_built`). A Kaldi
+one still there that cannot be read as it is now is not (:func:`_as_built`). A Kaldi
 folder's or a cut manifest's relative path not found from this process's working directory is
 read where the build read it (the root's ``workdir``), so only a file gone from both is served
 as built. Without a root (no build ran, or a list of paths) the inputs are hashed once
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -262,18 +262,17 @@ def _index_place(
     keys: list[str] = []
     bad: list[str] = []
     hashed: list[FileStat | None] = []
-    listed = set(scanned)
+    unhashed = [rel for rel in rel_paths if inputs.path(rel) not in digests]
+    as_built = _as_built(inputs, unhashed, set(scanned), manifest, spec, catalog)
     for rel in rel_paths:
         path = inputs.path(rel)
         hashed.append(stats[path] if path in digests else None)
         if path in digests:
             keys.append(spec.key(digests[path]))
-            continue
-        why = _not_as_built(inputs, rel, rel in listed, manifest.get(rel), spec, catalog)
-        if why is None:
-            keys.append(manifest[rel])  # gone since the build: its features as built
+        elif isinstance(built := as_built[rel], AsBuilt):
+            keys.append(built.key)  # gone since the build: its features as built
         else:
-            failed[path] = why or failed.get(path, "cannot be read")
+            failed[path] = built or failed.get(path, "cannot be read")
             bad.append(path)
             keys.append("")
     if bad and keeps_order(inputs):  # a manifest's bad rows are left out, as the build skips them
@@ -292,36 +291,51 @@ def _index_place(
     return Index(rel_paths, keys, data_dir, catalog, spec, hashed, inputs, name)
 
 
-def _not_as_built(
+class AsBuilt(NamedTuple):
+    """An item served the features its root's build stored (its input gone since)."""
+
+    key: str
+
+
+def _as_built(
     inputs: Inputs,
-    rel: str,
-    listed: bool,
-    built_key: str | None,
+    rels: Sequence[str],
+    listed: Collection[str],
+    manifest: Mapping[str, str],
     spec: IndexSpec,
     catalog: ServingStore,
-) -> str | None:
-    """None where item ``rel``, which cannot be hashed now, may be served the features its
-    root's build stored (``built_key``): its input is gone since (:func:`input_gone`). Else
-    why not (``""``: the hash's own reason).
+) -> dict[str, AsBuilt | str]:
+    """For each item of ``rels`` (which cannot be hashed now), the key its root's build stored
+    (``manifest``) where it may be served as built: its input is gone since
+    (:func:`~featbake.encode.inputs.input_gone`). Else why not (``""``: the hash's own reason).
 
     An input still there that cannot be read as its row now says is not the input those
     features were made from, nor is a row changed since the build to name another file that
-    is gone: a whole-file row whose file the hash cache knew is checked to be keyed as its
-    root says (a segment's key needs its file's header: a gone file's segment rows are served
-    as built unchecked).
+    is gone: a whole-file row whose file the hash cache knew (one query for all of them: a
+    million rows whose audio was deleted once baked) is checked to be keyed as its root says.
+    A segment's key needs its file's header: a gone file's segment rows are served as built
+    unchecked.
     """
-    if built_key is None or not input_gone(inputs, rel, listed):
-        return ""
-    item = inputs.items.get(rel) if isinstance(inputs, RowInputs) else None
-    if item is None or item.span is not None or item.effects is not None:
-        return None
-    known = catalog.hash_rows([item.file]).get(item.file)  # trusted or not: the file is gone
-    if known is not None and spec.key(known.sha256) != built_key:
-        return (
-            f"{item.file} is gone, and the stored features of {rel!r} are of another file "
-            "(the row named another since its build)"
-        )
-    return None
+    out: dict[str, AsBuilt | str] = {}
+    whole: dict[str, str] = {}  # rel -> its gone file, a whole-file row's
+    for rel in rels:
+        built = manifest.get(rel)
+        if built is None or not input_gone(inputs, rel, rel in listed):
+            out[rel] = ""
+            continue
+        out[rel] = AsBuilt(built)
+        item = inputs.items.get(rel) if isinstance(inputs, RowInputs) else None
+        if item is not None and item.span is None and item.effects is None:
+            whole[rel] = item.file
+    known = catalog.hash_rows(sorted(set(whole.values()))) if whole else {}
+    for rel, file in whole.items():
+        row = known.get(file)  # trusted or not: the file is gone
+        if row is not None and spec.key(row.sha256) != manifest[rel]:
+            out[rel] = (
+                f"{file} is gone, and the stored features of {rel!r} are of another file "
+                "(the row named another since its build)"
+            )
+    return out
 
 
 def _built_root(
