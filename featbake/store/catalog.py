@@ -734,6 +734,17 @@ class CatalogConnection(ProcessLocalState):
             fn()
 
 
+def _restore_manifest(dead: Path, live: Path) -> None:
+    """Rename a drop's tombstone back to the root's manifest file (its drop did not commit);
+    quietly where it cannot (the tombstone then lets gc finish the drop, as after a crash)."""
+    try:
+        if dead.exists() and not live.exists():
+            os.replace(dead, live)
+            fsync_dir(live.parent)
+    except OSError:
+        pass
+
+
 # Feature rows, the hash cache and encoder rows: what builds and datasets read and add.
 CHUNK = 500  # keys per IN (...) query, far below SQLite's variable limit
 
@@ -1257,32 +1268,47 @@ class RootRows(CatalogConnection):
         Order: inside one write transaction the manifest file is renamed to a tombstone
         (``roots/<name>.dropped``), then the rows go; after COMMIT the tombstone is unlinked. A
         crash leaves either the root intact with a tombstone beside it (gc finishes the drop) or
-        no root and a tombstone (gc unlinks it); never a root whose manifest file is lost.
+        no root and a tombstone (gc unlinks it); never a root whose manifest file is lost. A
+        drop that fails without a crash (the COMMIT refused on a full disk: the caller is told
+        it did not happen) renames the tombstone back, so no later gc finishes it.
         ``unused_before`` drops it only if it was not built or read since then (a build that
         refreshed it, or a dataset that read its features, meanwhile wins). ``between`` is a
         test hook called between the steps.
         """
         live, dead = root_file(self.layout, name), tombstone_file(self.layout, name)
-        with self.transaction() as c:
-            row = c.execute("SELECT last_used FROM roots WHERE name=?", (name,)).fetchone()
-            if row is None or (unused_before is not None and row[0] >= unused_before):
-                return False
-            read = c.execute(ROOT_READ_SELECT, (name,)).fetchone()[0] or 0.0
-            if unused_before is not None and read >= unused_before:
-                return False  # read since the plan: still in use
-            if live.exists():
-                os.replace(live, dead)
-                fsync_dir(live.parent)
-            if between:
-                between("drop-root-renamed")
-            c.execute("DELETE FROM root_items WHERE root=?", (name,))
-            c.execute("DELETE FROM roots WHERE name=?", (name,))
-            if between:
-                c.after_commit(lambda: between("drop-root-committed"))
-            c.after_commit(lambda: unlink_quietly(dead))
-            c.after_commit(lambda: unlink_quietly(items_file(self.layout, name)))
-            c.after_commit(lambda: unlink_quietly(fidelity_file(self.layout, name)))
-            c.after_commit(lambda: unlink_quietly(undecodable_file(self.layout, name)))
+        renamed, committed = False, False
+
+        def mark_committed() -> None:
+            nonlocal committed
+            committed = True
+
+        try:
+            with self.transaction() as c:
+                row = c.execute("SELECT last_used FROM roots WHERE name=?", (name,)).fetchone()
+                if row is None or (unused_before is not None and row[0] >= unused_before):
+                    return False
+                read = c.execute(ROOT_READ_SELECT, (name,)).fetchone()[0] or 0.0
+                if unused_before is not None and read >= unused_before:
+                    return False  # read since the plan: still in use
+                if live.exists():
+                    os.replace(live, dead)
+                    renamed = True
+                    fsync_dir(live.parent)
+                if between:
+                    between("drop-root-renamed")
+                c.execute("DELETE FROM root_items WHERE root=?", (name,))
+                c.execute("DELETE FROM roots WHERE name=?", (name,))
+                c.after_commit(mark_committed)
+                if between:
+                    c.after_commit(lambda: between("drop-root-committed"))
+                c.after_commit(lambda: unlink_quietly(dead))
+                c.after_commit(lambda: unlink_quietly(items_file(self.layout, name)))
+                c.after_commit(lambda: unlink_quietly(fidelity_file(self.layout, name)))
+                c.after_commit(lambda: unlink_quietly(undecodable_file(self.layout, name)))
+        except BaseException:
+            if renamed and not committed:
+                _restore_manifest(dead, live)
+            raise
         return True
 
     def finish_drop(self, name: str) -> bool:

@@ -1031,3 +1031,34 @@ def test_a_shard_sealed_again_that_a_sweep_reaches_while_set_aside_is_put_back(
     with ShardReader(path, verify="always") as reader:
         assert reader.read("k" * 64).equal(torch.ones(3))
     assert list(layout.tmp.iterdir()) == []
+
+
+def test_a_drop_that_does_not_commit_leaves_the_root_whole(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """``roots drop`` on a full disk: the manifest file was renamed to its tombstone inside
+    the transaction and the COMMIT refused; the user was told (exit 5) the drop did not
+    happen, but the tombstone stayed, so the next ``gc`` finished the drop ("an interrupted
+    drop") and freed every feature of the root. The failure is raised here where a full disk
+    raises it, after the rename: the tombstone is renamed back, the root and its file stay,
+    and ``gc`` reaches every feature. A drop that commits still removes the file."""
+    report = build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    layout = Layout(store_dir)
+    live = store_dir / "roots" / f"{report.root}.json"
+    assert live.exists()
+
+    def disk_full(step: str) -> None:
+        if step == "drop-root-renamed":
+            assert not live.exists()  # the tombstone is there, as on the full disk
+            raise StoreError("cannot write the catalog: database or disk is full")
+
+    with Catalog(layout) as catalog:
+        with pytest.raises(StoreError, match="disk is full"):
+            catalog.drop_root(report.root, between=disk_full)
+        assert catalog.root(report.root) is not None
+    assert live.exists() and not (store_dir / "roots" / f"{report.root}.dropped").exists()
+    gc = invoke("gc", "--cache", store_dir, "--dry-run", "--json")
+    assert gc.returncode == 0 and '"unreached_features": 0' in gc.stdout, gc.stdout + gc.stderr
+    with Catalog(layout) as catalog:
+        assert catalog.drop_root(report.root)
+    assert not live.exists() and not (store_dir / "roots" / f"{report.root}.dropped").exists()
