@@ -548,12 +548,23 @@ def damaged_file(error: BaseException | None) -> bool:
     return isinstance(error, sqlite3.Error) and code is not None and code & 0xFF in _DAMAGED
 
 
-def unwritable_catalog(path: Path, error: sqlite3.Error) -> StoreError:
-    """The one-line error for a catalog write the disk refused, with what to do."""
+def _file_size(path: str) -> int:
+    """The size of the file at ``path``; 0 where there is none."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def unwritable_catalog(path: Path, error: sqlite3.Error, *, opening: bool = False) -> StoreError:
+    """The one-line error for a catalog write the disk refused, with what to do; ``opening``:
+    refused while opening it to write (a read-only open, which needs no space, reads it)."""
     fix = (
         "the disk is full, failing or read-only: free space (or move the store with --cache "
         "DIR) and check the disk, then run it again; the catalog itself is not damaged"
     )
+    if opening:
+        fix += f"; to read the store meanwhile (stats, roots, a dataset), set {READ_ONLY_ENV}=1"
     return StoreError(f"cannot write the catalog {path} ({error}); {fix}")
 
 
@@ -640,12 +651,31 @@ class CatalogConnection(ProcessLocalState):
             if self.fragment is None or self.access is Access.READ_WRITE:
                 ensure_schema(conn, self.path, writable=self.access is Access.READ_WRITE)
         except sqlite3.OperationalError as e:
+            if self._no_room_for_shm(e):
+                # A full disk: a read-only open of a WAL catalog must make (or size) its -shm
+                # file and cannot. With no frame in a -wal file, every commit is in the catalog
+                # file itself, which an immutable open reads whole, needing no file of its own.
+                self.access = Access.IMMUTABLE
+                return self._connect()
             if cannot_write(e, writing=self.access is Access.READ_WRITE):
-                raise unwritable_catalog(self.path, e) from e
+                raise unwritable_catalog(self.path, e, opening=True) from e
             raise self.unreadable(e) from e
         except sqlite3.DatabaseError as e:
             raise self.unreadable(e) from e
         return conn
+
+    def _no_room_for_shm(self, error: sqlite3.OperationalError) -> bool:
+        """Whether a read-only open failed only for want of room to make its ``-shm`` file: a
+        full or failing disk (not SQLITE_READONLY, which a hot journal gives), with no frame in
+        a ``-wal`` file and no ``-journal`` a killed writer left (an immutable open would read
+        its half-written pages)."""
+        return (
+            self.access is Access.READ_ONLY
+            and self.fragment is None
+            and cannot_write(error, writing=False)
+            and _file_size(f"{self.path}-wal") == 0
+            and not os.path.exists(f"{self.path}-journal")
+        )
 
     def unreadable(self, error: sqlite3.DatabaseError) -> StoreError:
         """The error for a catalog SQLite refused to read, with the fix for the likely cause."""

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -23,8 +26,8 @@ import torch
 
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import make_tone
-from tests.conftest import live_features
-from tests.helpers import bake
+from tests.conftest import REPO, invoke, live_features
+from tests.helpers import bake, printed
 
 RATE = 16000
 
@@ -163,8 +166,6 @@ def test_an_export_leaves_out_a_tar_member_cut_short_as_a_dataset_does(
     member cut short is still listed, so it changed since its build and is left out
     (``changed`` 1); it was exported as built, counted ``unchecked``. s1 is exported with the
     encoder's features of its bytes, checked."""
-    from tests.conftest import invoke
-    from tests.helpers import printed
 
     pq = pytest.importorskip("pyarrow.parquet")
     _, s1 = _built_then_cut_short(tmp_path, encoder_file, store_dir)
@@ -252,3 +253,58 @@ def test_a_listed_symlink_repointed_since_is_revalidated_where_it_points_now(
     link.unlink()
     link.symlink_to(takes / "t2.wav")
     torch.testing.assert_close(ds[0], _live(encoder_file, t2, tmp_path))
+
+
+# == r17.12: a baked store on a disk with no room left =============================================
+def _no_room() -> None:
+    """In a child process: any write that would grow a file fails (EFBIG), as on a full disk."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+
+
+#: Item 0 of a dataset made with no room to grow a file (once imported: torch's import
+#: writes a probe file to the temporary folder, which a full store's disk need not hold).
+SERVE_FIRST = """
+import json, resource, signal, sys
+from featbake.serve.dataset import CachedFeatureDataset
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+ds = CachedFeatureDataset(sys.argv[1], sys.argv[2], cache=sys.argv[3], on_miss="error")
+print(json.dumps(ds[0].tolist()))
+"""
+
+
+def test_a_store_on_a_disk_with_no_room_is_read_with_featbake_read_only(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """A baked store whose disk has no room left (a child process that may not grow any
+    file). Every open failed, ``FEATBAKE_READ_ONLY=1`` too: a read-only open of a WAL
+    catalog must make its ``-shm`` file. Now a read-only open falls back to an immutable one
+    where no ``-wal`` frame is waiting: ``stats`` and a dataset read the store (its features
+    the encoder's now); without the variable the one line says to set it."""
+    folder = tmp_path / "audio"
+    folder.mkdir()
+    (folder / "a.wav").write_bytes(_wav(0.4, 1))
+    assert not bake(folder, encoder_file, store_dir).failed
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+
+    def run(*args: str, room: bool = False, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, *args], env={**env, **extra}, preexec_fn=None if room else _no_room,
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    refused = run("-m", "featbake", "stats", "--cache", str(store_dir))
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert refused.returncode == 5 and len(lines) == 1, printed(refused)
+    assert "FEATBAKE_READ_ONLY=1" in lines[0], lines[0]
+    stats = run("-m", "featbake", "stats", "--cache", str(store_dir), FEATBAKE_READ_ONLY="1")
+    assert stats.returncode == 0 and "roots (1)" in stats.stdout, printed(stats)
+    args = ("-c", SERVE_FIRST, str(folder), str(encoder_file), str(store_dir))
+    served = run(*args, room=True, FEATBAKE_READ_ONLY="1")  # no room once imported
+    assert served.returncode == 0, printed(served)
+    got = torch.tensor(json.loads(served.stdout.splitlines()[-1]))
+    torch.testing.assert_close(got, _live(encoder_file, (folder / "a.wav").read_bytes(), tmp_path))
