@@ -83,7 +83,9 @@ def _forget_unsound_shards(
 
 def _delete_wrong_rows(
     cat: Catalog, rows: dict[str, ShardRow], checks: dict[str, ShardCheck]
-) -> RepairOutcome:
+) -> tuple[RepairOutcome, set[str]]:
+    """Delete the rows naming tensors their shard lacks (or has with another dtype or shape)
+    and the rows naming no shard; what was done, and the keys of the deleted rows."""
     out = RepairOutcome()
     by_id = {s.id: s for s in rows.values()}
     wrong = [
@@ -99,7 +101,7 @@ def _delete_wrong_rows(
     if n:
         out.lost += n
         out.actions.append(f"deleted {n} rows naming no shard")
-    return out
+    return out, {ref.key for ref in wrong}
 
 
 def _index_shards(
@@ -107,18 +109,29 @@ def _index_shards(
     rows: dict[str, ShardRow],
     checks: dict[str, ShardCheck],
     salvaged: list[SealedShard],
+    deleted: set[str],
 ) -> RepairOutcome:
-    """Index sound shards the catalog lacks, and salvaged ones (first row wins)."""
+    """Index sound shards the catalog lacks, and salvaged ones (first row wins); and index
+    again the sound shards it lists whose headers hold a key of a row just deleted
+    (``deleted``: one row's ``shape``, ``dtype`` or shard edited), so a feature a sound shard
+    holds is not lost for want of a right row (the rows it has stay: insert or ignore)."""
     added = sum(
         cat.add_shard(sealed_from_check(c), now=c.mtime)
         for c in checks.values()
         if c.sound and c.name not in rows
     )
+    again = sum(
+        cat.add_shard(sealed_from_check(c), now=c.mtime)
+        for c in checks.values()
+        if c.sound and c.name in rows and any(e.key in deleted for e in c.entries)
+    )
     back = sum(cat.add_shard(s) for s in salvaged)
-    if not added + back:
-        return RepairOutcome()
-    line = f"indexed {added + back} feature rows from shards the catalog lacked"
-    return RepairOutcome([line], recovered=back)
+    lines = []
+    if added + back:
+        lines.append(f"indexed {added + back} feature rows from shards the catalog lacked")
+    if again:
+        lines.append(f"indexed again {again} feature rows the deleted rows named wrongly")
+    return RepairOutcome(lines, recovered=back + again)
 
 
 def repair_catalog(scan: VerifyScan, salvaged: list[SealedShard]) -> RepairOutcome:
@@ -127,10 +140,12 @@ def repair_catalog(scan: VerifyScan, salvaged: list[SealedShard]) -> RepairOutco
     with closing(Catalog(layout)) as cat:
         rows = {s.name: s for s in cat.shard_rows()}
         checks = {c.name: c for c in scan.shards}
+        forgot = _forget_unsound_shards(cat, rows, checks)
+        wrong, deleted = _delete_wrong_rows(cat, rows, checks)
         return (
-            _forget_unsound_shards(cat, rows, checks)
-            + _delete_wrong_rows(cat, rows, checks)
-            + _index_shards(cat, rows, checks, salvaged)
+            forgot
+            + wrong
+            + _index_shards(cat, rows, checks, salvaged, deleted)
             + repair_roots(layout, cat)
         )
 

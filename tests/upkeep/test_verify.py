@@ -1275,3 +1275,40 @@ def test_verifys_note_on_tmp_leftovers_counts_what_stats_and_gc_count(
     (note,) = [f for f in report.findings if f.kind is FindingKind.TMP_LEFTOVERS]
     assert note.detail.startswith(f"2 leftovers ({seen.tmp_bytes} bytes) ")
     assert not note.damage
+
+
+@pytest.mark.parametrize("column", ["shape", "dtype", "shard_id"])
+def test_a_row_naming_its_tensor_wrongly_is_repaired_from_the_shard_that_holds_it(
+    audio_dir: Path, encoder_file: Path, store_dir: Path, column: str
+) -> None:
+    """One feature row's ``shape``, ``dtype`` or shard edited: its sound shard's header holds
+    the tensor under other metadata (or another shard is named). ``verify --repair`` deleted
+    the row and reported it lost ("rebuild to recompute"), though the sound shard still held
+    the feature: only shards the catalog did not list were indexed. Now the shards holding a
+    deleted row's key are indexed again: nothing is lost, every item is served (hits, equal to
+    the encoder run now), and a rebuild encodes nothing."""
+    report = bake(audio_dir, encoder_file, store_dir)
+    with closing(sqlite3.connect(store_dir / "catalog.sqlite")) as conn:
+        key, shape, dtype = conn.execute(
+            "SELECT key, shape, dtype FROM features ORDER BY key LIMIT 1"
+        ).fetchone()
+        (other,) = conn.execute(
+            "SELECT min(id) FROM shards WHERE id != (SELECT shard_id FROM features WHERE key=?)",
+            (key,),
+        ).fetchone()  # another sound shard, which lacks the tensor
+        wrong = {
+            "shape": json.dumps([json.loads(shape)[0] - 1, *json.loads(shape)[1:]]),
+            "dtype": "float16" if dtype != "float16" else "float32",
+            "shard_id": other,
+        }[column]
+        conn.execute(f"UPDATE features SET {column}=? WHERE key=?", (wrong, key))
+        conn.commit()
+    repaired = invoke("verify", "--cache", store_dir, "--repair", "--json")
+    assert repaired.returncode == VERIFY_REPAIRED, repaired.stdout + repaired.stderr
+    assert json.loads(repaired.stdout)["features_lost"] == 0, repaired.stdout
+    with closing(sqlite3.connect(store_dir / "catalog.sqlite")) as conn:
+        assert conn.execute("SELECT count(*) FROM features WHERE key=?", (key,)).fetchone() == (1,)
+    assert assert_serves(store_dir, report.root, audio_dir, encoder_file, Live()) == len(
+        manifest(store_dir, report.root)
+    )
+    assert bake(audio_dir, encoder_file, store_dir).encoded == 0
