@@ -564,7 +564,7 @@ def unwritable_catalog(path: Path, error: sqlite3.Error, *, opening: bool = Fals
         "DIR) and check the disk, then run it again; the catalog itself is not damaged"
     )
     if opening:
-        fix += f"; to read the store meanwhile (stats, roots, a dataset), set {READ_ONLY_ENV}=1"
+        fix += f"; to serve the store meanwhile, set {READ_ONLY_ENV}=1 (stats and roots read it)"
     return StoreError(f"cannot write the catalog {path} ({error}); {fix}")
 
 

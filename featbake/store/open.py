@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from featbake.errors import ConfigError, StoreError
 from featbake.store.bucket import TIER_MARK, BucketStore
-from featbake.store.catalog import READ_ONLY_ENV, Catalog, read_only_forced
+from featbake.store.catalog import READ_ONLY_ENV, Catalog, cannot_write, read_only_forced
 from featbake.store.files import list_folder
 from featbake.store.filesystem import announce, detect
 from featbake.store.fragments import fragment_shard_names, sealed_fragments
@@ -362,11 +362,13 @@ def describe(layout: Layout) -> str:
     return place_of(layout).describe()
 
 
-def open_catalog(ref: StoreRef, **place: Any) -> tuple[Layout, Catalog]:
+def open_catalog(ref: StoreRef, *, reading: bool = False, **place: Any) -> tuple[Layout, Catalog]:
     """Layout and catalog of an existing store, without creating a catalog that is missing.
 
     The catalog is a context manager: ``with open_catalog(cache)[1] as catalog: ...``.
     ``place`` takes :func:`open_store`'s ``local_cache`` and ``local_cache_size``.
+    ``reading``: the caller only reads (``stats``, ``roots``): where the disk has no room to
+    open the catalog to write, it is opened read-only instead of refused.
 
     Raises:
         StoreError: no store, or its catalog is missing or unreadable (the message says to run
@@ -374,7 +376,13 @@ def open_catalog(ref: StoreRef, **place: Any) -> tuple[Layout, Catalog]:
     """
     layout = open_store(ref, need=Need.CATALOG, **place)
     catalog = Catalog(layout)
-    catalog.conn  # noqa: B018  (open now: a damaged catalog fails here, with its message)
+    try:
+        catalog.conn  # noqa: B018  (open now: a damaged catalog fails here, with its message)
+    except StoreError as e:
+        if not (reading and not catalog.read_only and cannot_write(e)):
+            raise
+        catalog = Catalog(layout, read_only=True)  # a full disk: read what is there
+        catalog.conn  # noqa: B018
     return layout, catalog
 
 

@@ -184,10 +184,11 @@ def encoder_stats(
     return tuple(out)
 
 
-def _in_own_catalog(layout: Layout, fn: Callable[[Catalog], Any]) -> Any:
+def _in_own_catalog(layout: Layout, fn: Callable[[Catalog], Any], read_only: bool) -> Any:
     # sqlite connections belong to one thread: each query gets its own; SQLite runs them in
     # parallel (the module releases the GIL), which halves the wall time on a large store.
-    own = Catalog(layout)
+    # Opened as the caller's was (read-only where the disk had no room to open it to write).
+    own = Catalog(layout, read_only=read_only)
     try:
         return fn(own)
     finally:
@@ -224,7 +225,7 @@ def stats(cache: StoreRef = None) -> StoreStats:
         >>> s.live_bytes, s.dead_bytes  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    layout, catalog = open_catalog(cache)
+    layout, catalog = open_catalog(cache, reading=True)
     try:
         return _stats(layout, catalog, t0)
     except (TypeError, ValueError):  # a value of the wrong kind: said in one line if so
@@ -238,8 +239,9 @@ def _stats(layout: Layout, catalog: Catalog, t0: float) -> StoreStats:
     try:
         refuse_while_rebuild_pending(layout)  # a half-rebuilt catalog: not the store's numbers
         with ThreadPoolExecutor(2) as pool:
-            totals_f = pool.submit(_in_own_catalog, layout, lambda c: c.feature_totals())
-            missing_f = pool.submit(_in_own_catalog, layout, lambda c: c.missing_per_root())
+            ro = catalog.read_only
+            totals_f = pool.submit(_in_own_catalog, layout, lambda c: c.feature_totals(), ro)
+            missing_f = pool.submit(_in_own_catalog, layout, lambda c: c.missing_per_root(), ro)
             with catalog.snapshot():  # what is added up across them is of one moment
                 usage = catalog.shard_usage()
                 shard_rows = catalog.shard_rows()
@@ -277,7 +279,7 @@ def _stats(layout: Layout, catalog: Catalog, t0: float) -> StoreStats:
 
 def list_roots(cache: StoreRef = None) -> list[RootStats]:
     """Every root with its item and missing counts, most recently built or used first."""
-    layout, catalog = open_catalog(cache)
+    layout, catalog = open_catalog(cache, reading=True)
     try:
         missing = catalog.missing_per_root()
         return [RootStats.of(r, missing.get(r.name, 0), layout) for r in catalog.roots()]

@@ -283,8 +283,9 @@ def test_a_store_on_a_disk_with_no_room_is_read_with_featbake_read_only(
     """A baked store whose disk has no room left (a child process that may not grow any
     file). Every open failed, ``FEATBAKE_READ_ONLY=1`` too: a read-only open of a WAL
     catalog must make its ``-shm`` file. Now a read-only open falls back to an immutable one
-    where no ``-wal`` frame is waiting: ``stats`` and a dataset read the store (its features
-    the encoder's now); without the variable the one line says to set it."""
+    where no ``-wal`` frame is waiting: a dataset reads the store with the variable (its
+    features the encoder's now), ``stats`` and ``roots`` with or without it (they only read);
+    a writer (``gc``) says in one line to set it."""
     folder = tmp_path / "audio"
     folder.mkdir()
     (folder / "a.wav").write_bytes(_wav(0.4, 1))
@@ -297,12 +298,14 @@ def test_a_store_on_a_disk_with_no_room_is_read_with_featbake_read_only(
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip
 
-    refused = run("-m", "featbake", "stats", "--cache", str(store_dir))
+    refused = run("-m", "featbake", "gc", "--cache", str(store_dir))
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
     assert refused.returncode == 5 and len(lines) == 1, printed(refused)
     assert "FEATBAKE_READ_ONLY=1" in lines[0], lines[0]
-    stats = run("-m", "featbake", "stats", "--cache", str(store_dir), FEATBAKE_READ_ONLY="1")
-    assert stats.returncode == 0 and "roots (1)" in stats.stdout, printed(stats)
+    for extra in ({}, {"FEATBAKE_READ_ONLY": "1"}):  # readers read it either way
+        for command in ("stats", "roots"):
+            read = run("-m", "featbake", command, "--cache", str(store_dir), **extra)
+            assert read.returncode == 0 and "roots (1)" in read.stdout, printed(read)
     args = ("-c", SERVE_FIRST, str(folder), str(encoder_file), str(store_dir))
     served = run(*args, room=True, FEATBAKE_READ_ONLY="1")  # no room once imported
     assert served.returncode == 0, printed(served)
