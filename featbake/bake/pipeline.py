@@ -142,18 +142,30 @@ def scanned_inputs(place: Inputs, layout: Layout, extensions: Sequence[str]) -> 
     falling_back_to(place, last_build_workdir(place, layout))
     if not (isinstance(place, (WebDataset, Table)) and place.remote):
         return place.scan(extensions)
-    try:
-        known = Catalog(layout, read_only=True)
-        if not known.path.exists():
-            return place.scan(extensions)  # no catalog yet: nothing is known
-    except (StoreError, sqlite3.Error):
-        return place.scan(extensions)
-    with contextlib.closing(known):
-        place.known = known
+    with known_catalog(layout) as known:
+        place.known = known  # None (no catalog yet, or none to read): nothing is known
         try:
             return place.scan(extensions)
         finally:
             place.known = None
+
+
+@contextmanager
+def known_catalog(layout: Layout) -> Iterator[Catalog | None]:
+    """The store's catalog, read-only, for what earlier builds recorded; None where there is
+    none yet or it cannot be opened (the build then knows nothing, and says so later)."""
+    known: Catalog | None
+    try:
+        known = Catalog(layout, read_only=True)
+        if not known.path.exists():
+            known = None
+    except (StoreError, sqlite3.Error):
+        known = None
+    if known is None:
+        yield None
+        return
+    with contextlib.closing(known):
+        yield known
 
 
 def last_build_workdir(place: Inputs, layout: Layout) -> str:
@@ -164,14 +176,9 @@ def last_build_workdir(place: Inputs, layout: Layout) -> str:
     published a root without them, whose features a gc then deleted."""
     if not takes_paths_from_workdir(place):
         return ""
-    try:
-        known = Catalog(layout, read_only=True)
-        if not known.path.exists():
-            return ""
-    except (StoreError, sqlite3.Error):
-        return ""
-    with contextlib.closing(known):
-        return next((r.workdir for r in known.roots() if r.data == place.where and r.workdir), "")
+    with known_catalog(layout) as known:
+        roots = known.roots() if known is not None else []
+    return next((r.workdir for r in roots if r.data == place.where and r.workdir), "")
 
 
 @contextmanager

@@ -544,7 +544,7 @@ def workdir_of(inputs: Inputs) -> str:
     whose paths do not depend on the working directory."""
     from featbake.encode.manifests import RowInputs
 
-    return inputs.taken_from() if isinstance(inputs, RowInputs) else ""
+    return inputs.found_in if isinstance(inputs, RowInputs) else ""
 
 
 def falling_back_to(inputs: Inputs, build_workdir: str) -> None:

@@ -314,7 +314,9 @@ class RowInputs:
         #: from :attr:`workdir` is taken from there, so a file changed since its build is read
         #: as it is now rather than served as built (:meth:`ToolPaths.file`).
         self.build_workdir = ""
-        #: The folder the last scan took relative paths from (:meth:`taken_from`).
+        #: The folder the last scan took relative paths from, for a root to record: the
+        #: build's (:attr:`build_workdir`) where every relative path found was found only
+        #: there, else :attr:`workdir`.
         self.found_in = self.workdir
         self._finder: ToolPaths | None = None  # the last parse's, until its scan reads it
         self.items: dict[str, Item] = {}  # id -> item, in the manifest's order (after scan)
@@ -331,12 +333,6 @@ class RowInputs:
             manifest, self.workdir, recorded=self.workdir_recorded, build=self.build_workdir
         )
         return self._finder
-
-    def taken_from(self) -> str:
-        """The folder the last scan took relative paths from, for a root to record: the
-        build's (:attr:`build_workdir`) where every relative path found was found only there,
-        else :attr:`workdir`."""
-        return self.found_in
 
     @property
     def stat_tells_change(self) -> bool:

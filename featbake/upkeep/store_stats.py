@@ -229,7 +229,7 @@ def stats(cache: StoreRef = None) -> StoreStats:
     try:
         return _stats(layout, catalog, t0)
     except (TypeError, ValueError):  # a value of the wrong kind: said in one line if so
-        with closing(Catalog(layout)) as again:
+        with closing(Catalog(layout, read_only=catalog.read_only)) as again:
             refuse_wrong_kinds(again)
         raise
 
