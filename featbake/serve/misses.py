@@ -817,17 +817,12 @@ def decoded_as_hashed(source: Source, path: str, key: str, fps: tuple[str, str])
     """
     data = bytes_at(path).read(path).data
     if feature_key(fps[0], fps[1], sha256_hex(data)) != key:
-        raise SourceError(changed_since_created(path))
+        raise SourceError(
+            f"{path} changed since this dataset was created (its bytes no longer match "
+            "the key they were indexed under), so its feature is not stored; create the "
+            "dataset again once the file stops changing"
+        )
     return source.load(path, io.BytesIO(data))
-
-
-def changed_since_created(path: str) -> str:
-    """The line for an input whose bytes no longer match the key it was indexed under."""
-    return (
-        f"{path} changed since this dataset was created (its bytes no longer match "
-        "the key they were indexed under), so its feature is not stored; create the "
-        "dataset again once the file stops changing"
-    )
 
 
 class Misses:
