@@ -591,8 +591,8 @@ def _inputs(order: Order, state: dict[str, Any]) -> PlanInputs | None:
 def _checked(
     state: Any, keys: dict[str, type] = STATE_KEYS, what: str = "FeatureLoader"
 ) -> dict[str, Any]:
-    """``state`` if it is a ``what`` state (every key of ``keys``, of its type), else a
-    ConfigError."""
+    """``state`` if it is a ``what`` state (every key of ``keys``, of its type, a count from
+    0), else a ConfigError. A seed is any int (the loader takes a negative one)."""
     if not isinstance(state, dict):
         raise ConfigError(f"a {what} state is a dict from state_dict(), got {type(state).__name__}")
     for key, kind in keys.items():
@@ -600,7 +600,7 @@ def _checked(
         if (
             not isinstance(value, kind)
             or isinstance(value, bool)
-            or (isinstance(value, int) and value < 0)
+            or (isinstance(value, int) and value < 0 and key != "seed")
         ):
             raise ConfigError(
                 f"not a {what} state: {key!r} is {value!r}; pass what state_dict() returned"

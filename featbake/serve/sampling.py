@@ -113,11 +113,13 @@ class EpochPlan:
         return order[:total][self.rank : total : self.world]
 
     def order(self) -> list[int]:
-        """The whole epoch's order, before it is shared out: ``randperm`` of ``seed + epoch``."""
+        """The whole epoch's order, before it is shared out: ``randperm`` of ``seed + epoch``,
+        taken modulo 2**64 as torch takes a negative seed (a seed past torch's range would
+        otherwise fail at the epoch that reaches it; every seed in it draws as before)."""
         if not self.shuffle:
             return list(range(self.n))
         g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
+        g.manual_seed((self.seed + self.epoch) % (1 << 64))
         order: list[int] = torch.randperm(self.n, generator=g).tolist()
         return order
 

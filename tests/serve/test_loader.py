@@ -950,6 +950,28 @@ def test_a_state_from_other_ranks_or_options_is_refused(
             FeatureLoader(resumable, batch_size=4, rank=0, world_size=2).load_state_dict(bad)  # type: ignore[arg-type]
 
 
+def test_a_negative_seed_resumes_its_own_state(resumable: CachedFeatureDataset) -> None:
+    """A loader, a length sampler and a block sampler take a negative seed (as ``randperm``
+    does); each refused its own state (``'seed' is -1``), as a state's counts are from 0. A
+    resumed epoch now reads the batches the uninterrupted one read after the stop."""
+    from featbake import LengthBatchSampler
+
+    def resumed_after_one(make: Callable[[], Any]) -> tuple[list, list]:
+        whole, first = list(make()), make()
+        next(iter(first))
+        again = make()
+        again.load_state_dict(first.state_dict())
+        return list(again), whole[1:]
+
+    _same(*resumed_after_one(lambda: FeatureLoader(resumable, batch_size=3, seed=-1)))
+    for make in (
+        lambda: LengthBatchSampler(resumable, 300, seed=-1),
+        lambda: BlockSampler(resumable, seed=-1, window=1),
+    ):
+        got, want = resumed_after_one(make)
+        assert got == want and len(want) > 1
+
+
 # Run after RANK_SCRIPT in the same processes (its imports, arguments and process group).
 RESUME_RANK_SCRIPT = """\
 ds = CachedFeatureDataset(data, encoder, cache=store, on_miss="error")

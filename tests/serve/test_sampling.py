@@ -9,6 +9,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -364,3 +365,19 @@ def seeded_words(*words: int) -> np.ndarray:
     from featbake.serve.sampling import seeded
 
     return seeded(*words).permutation(50)
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, 2**64 + 5, -(2**63) - 7, 2**90])
+def test_an_item_order_takes_any_int_seed_at_every_epoch(seed: int) -> None:
+    """``randperm``'s seed is ``seed + epoch``, which torch takes only from -2**63 to
+    2**64 - 1: ``seed=2**64 - 1`` read epoch 0, then raised ``Overflow when unpacking long
+    long`` at epoch 1 (a state's seed past it at its first epoch). It is taken modulo 2**64,
+    as torch takes a negative seed, so every seed in torch's range draws the order it drew."""
+    for epoch in range(3):
+        plan = EpochPlan(20, 4, True, seed, epoch, rank=1, world=2)
+        order = plan.order()
+        assert sorted(order) == list(range(20))
+        assert sorted(i for b in plan.batches(order) for i in b) == sorted(order[1::2])
+    for inside in (-1, -(2**63), 0, 7, 2**64 - 2):
+        want = torch.randperm(20, generator=torch.Generator().manual_seed(inside + 1))
+        assert EpochPlan(20, 4, True, inside, 1).order() == want.tolist()
