@@ -61,14 +61,25 @@ def mix_weights(lengths: Sequence[int], weights: Sequence[float] | None) -> tupl
         weights = [float(n) for n in lengths]
     if len(weights) != len(lengths):
         raise ConfigError(f"{len(lengths)} datasets but {len(weights)} weights; give one each")
-    w = [float(x) for x in weights]
+    w = [_weight(x, weights) for x in weights]
     if any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
         raise ConfigError(f"weights must be finite, >= 0 and not all 0; got {list(weights)}")
     empty = [k for k, (n, x) in enumerate(zip(lengths, w, strict=True)) if n == 0 and x > 0]
     if empty:
         raise ConfigError(f"dataset {empty[0]} is empty but has weight {w[empty[0]]}; give it 0")
     total = sum(w)
+    if math.isinf(total):  # each weight finite, their sum past a float's range: scale first
+        w = [x / max(w) for x in w]
+        total = sum(w)
     return tuple(x / total for x in w)
+
+
+def _weight(x: Any, weights: Sequence[Any]) -> float:
+    """One weight as a float, or the ConfigError naming them all."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise ConfigError(f"weights must be numbers; got {list(weights)}") from None
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,18 @@ def _walk(seed: int, k: int, n: int, lap: int) -> np.ndarray:
     return seeded(seed, _ITEMS, k, lap).permutation(n)
 
 
+def _length(k: int, dataset: Any) -> int:
+    """How many items dataset ``k`` of a mixture holds, or the ConfigError saying it is not a
+    map-style dataset."""
+    try:
+        return len(dataset)
+    except TypeError:
+        raise ConfigError(
+            f"dataset {k} of the mixture ({type(dataset).__name__}) has no len(); "
+            "MixedDataset draws from map-style datasets (CachedFeatureDataset, StackDataset...)"
+        ) from None
+
+
 class MixedDataset(Dataset):
     """Several map-style datasets drawn at set proportions (see the module's doc).
 
@@ -148,7 +171,9 @@ class MixedDataset(Dataset):
         if not datasets:
             raise ConfigError("MixedDataset needs at least one dataset")
         self.datasets = list(datasets)
-        lengths = tuple(len(d) for d in self.datasets)
+        lengths = tuple(_length(k, d) for k, d in enumerate(self.datasets))
+        if not any(lengths):
+            raise ConfigError(f"every dataset of the mixture is empty ({len(lengths)} given)")
         items = sum(lengths) if epoch_items is None else epoch_items
         if isinstance(items, bool) or not isinstance(items, int) or items < 1:
             raise ConfigError(f"epoch_items must be a whole number from 1, got {epoch_items!r}")

@@ -34,6 +34,30 @@ def test_weights_default_to_lengths_and_bad_ones_are_refused() -> None:
     assert mix_weights([3, 0], [1.0, 0.0]) == (1.0, 0.0)
 
 
+def test_weights_whose_sum_passes_a_floats_range_keep_their_proportions() -> None:
+    """Each of ``[1e308, 1e308]`` is finite, their sum is not: every weight became 0 and the
+    multinomial put every item of an epoch in the last dataset."""
+    assert mix_weights([4, 4], [1e308, 1e308]) == (0.5, 0.5)
+    assert mix_weights([4, 4, 4], [1.5e308, 1.5e308, 0.0]) == (0.5, 0.5, 0.0)
+    plan = MixPlan((4, 4), mix_weights([4, 4], [1e308] * 2), 400, seed=0)
+    counts = Counter(k for k, _ in plan.epoch(0))
+    assert 150 < counts[0] < 250 and 150 < counts[1] < 250, counts
+
+
+def test_a_mixture_of_what_it_cannot_draw_from_is_one_clear_error() -> None:
+    """Each was a TypeError from inside the mixture, or a line naming ``epoch_items``, which
+    the caller never gave."""
+    some = StackDataset(torch.arange(3))
+    for datasets, kw, match in (
+        ([StackDataset(torch.arange(0))], {}, "every dataset of the mixture is empty"),
+        ([some, some], {"weights": [None, 1]}, r"weights must be numbers; got \[None, 1\]"),
+        ([some, some], {"weights": ["x", 1]}, "weights must be numbers"),
+        ([some, 5], {}, r"dataset 1 of the mixture \(int\) has no len\(\)"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            MixedDataset(datasets, **kw)
+
+
 def test_proportions_over_10000_draws_are_within_sampling_error() -> None:
     weights = (0.6, 0.3, 0.1)
     plan = MixPlan((50, 2000, 7), weights, 10_000, seed=3)
