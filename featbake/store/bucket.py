@@ -548,22 +548,48 @@ class BucketStore(ProcessLocalState):
         return True  # each fragment is a PUT (and a fold for merge): a build batches them
 
     def publish_shards(self, shards: Sequence[str]) -> None:
+        """Upload each shard of ``shards`` from the tier, where this process has not already.
+
+        A shard the tier holds is uploaded even where a listing names its object: the listing
+        may be older than a gc that swept that object as an unnamed leftover (a killed build's
+        shard of the same bytes), and a catalog naming it would then name nothing. The upload
+        reads a hard link, so another process's reads evicting the tier's copy meanwhile
+        take nothing from under it. A shard already gone from the tier is there only if the
+        bucket holds it (another process uploaded the same bytes), else it is written again.
+        """
         for name in shards:
-            if self._sizes is not None and name in self._sizes:
-                continue
-            path = self.layout.shard_path(name)
-            if not path.is_file():
-                if self.bucket.head(shard_object(name)) is not None:
-                    continue  # evicted after another process uploaded the same bytes
-                raise ShardMissing(
-                    f"shard {name} left the local tier before its upload; it is written again"
-                )
-            self.bucket.upload(shard_object(name), path)  # content-named: same bytes if again
-            if self._sizes is not None:
-                self._sizes[name] = path.stat().st_size
+            if name not in self._uploaded:
+                self._publish_shard(name)
         self._uploaded.update(shards)
         if shards:  # uploaded: a build bigger than this disk must not fill it
             self.tier.trim(uploaded=self._uploaded)
+
+    def _publish_shard(self, name: str) -> None:
+        """Shard ``name``'s bytes from the tier put as its object (see :meth:`publish_shards`).
+
+        Raises:
+            ShardMissing: the shard left the tier before its upload, and the bucket has none.
+        """
+        path = self.layout.shard_path(name)
+        link = self.layout.tmp / f"{name}.{uuid.uuid4().hex[:8]}.upload"
+        link.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, link)
+        except FileNotFoundError:
+            if self.bucket.head(shard_object(name)) is not None:
+                return  # evicted after another process uploaded the same bytes
+            raise ShardMissing(
+                f"shard {name} left the local tier before its upload; it is written again"
+            ) from None
+        except OSError:  # a tier on a filesystem without hard links: the copy itself
+            link = path
+        try:
+            self.bucket.upload(shard_object(name), link)  # content-named: same bytes if again
+            if self._sizes is not None:
+                self._sizes[name] = link.stat().st_size
+        finally:
+            if link != path:
+                link.unlink(missing_ok=True)
 
     def tier_usage(self) -> TierUsage:
         return TierUsage(self.local_version(), self.tier.used_bytes(), self.tier.budget)
@@ -895,17 +921,24 @@ def catalog_items(catalog: Path) -> int:
 
 def check_catalog_file(path: Path, where: str) -> None:
     """Raise unless ``path`` is a readable SQLite catalog (a published version downloaded from
-    ``where``).
+    ``where``): SQLite's ``quick_check`` finds a damaged page (one flipped byte in the object)
+    that a query would meet later, as "database disk image is malformed" in whatever command
+    read that page.
 
     Raises:
         StoreCorrupt: it is not: the message names the bucket object and what to do.
     """
     try:
         conn = open_sqlite(path, Access.IMMUTABLE)
+        conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages: any bytes
         try:
             conn.execute("SELECT count(*) FROM shards").fetchone()
+            (res,) = conn.execute("PRAGMA quick_check").fetchone()
         finally:
             conn.close()
+        if res != "ok":  # one line per problem, under a "*** in database main ***" head
+            found = [line.strip() for line in res.splitlines() if not line.startswith("***")]
+            raise sqlite3.DatabaseError(f"damaged: {'; '.join(filter(None, found))[:300]}")
     except sqlite3.DatabaseError as e:
         raise StoreCorrupt(
             f"the catalog version {where} is damaged ({e}); delete that object so the version "

@@ -43,7 +43,7 @@ from featbake.store.files import fsync_dir, fsync_file, holding, remove_file, te
 from featbake.store.filesystem import detect, set_journal_mode
 from featbake.store.hash_cache import HashCacheRow, HashEntry, HashRow, trusted_entry
 from featbake.store.layout import Layout
-from featbake.store.place import holds_shard
+from featbake.store.place import holds_shard, place_holds_shard
 from featbake.store.roots import (
     Root,
     RootItem,
@@ -831,7 +831,8 @@ def insert_shard(c: Transaction, shard: SealedShard, now: float, size: ShardSize
 def lost_shards(
     conn: sqlite3.Connection | Transaction, layout: Layout, shard_ids: Iterable[int]
 ) -> set[int]:
-    """The ids among ``shard_ids`` whose file is gone (or that name no shard row at all)."""
+    """The ids among ``shard_ids`` whose file is gone from the place (or that name no shard
+    row at all): a bucket's object, whatever copy a tier keeps (:func:`place_holds_shard`)."""
     ids = sorted(set(shard_ids))
     found: set[int] = set()
     lost: set[int] = set()
@@ -840,7 +841,7 @@ def lost_shards(
         q = ",".join("?" * len(chunk))
         for sid, name in conn.execute(f"SELECT id, name FROM shards WHERE id IN ({q})", chunk):
             found.add(sid)
-            if not holds_shard(layout, name):
+            if not place_holds_shard(layout, name):
                 lost.add(sid)
     return lost | (set(ids) - found)
 
@@ -944,7 +945,8 @@ class FeatureRows(CatalogConnection):
         A key whose shard file is gone although rows still name it (deleted by hand, lost in a
         partial copy of the store) is not present: a build encodes it again, and
         :meth:`FeatureRows.add_shard` points its rows at the new copy. One ``stat`` per
-        distinct shard of the keys found.
+        distinct shard of the keys found; in a bucket, its object (a listing once per
+        process), not the tier's copy.
         """
         shards_of: dict[str, set[int]] = {}
         for chunk in chunks(list(keys)):

@@ -153,6 +153,11 @@ class Exists(Exception):
     """A create-only put found the object there."""
 
 
+class PastTheEnd(Exception):
+    """A ranged GET that starts at or past the object's end (HTTP 416: S3 and Azure refuse
+    it; GCS's reads answer no bytes, as :meth:`ObjectStore.read_range` does for all three)."""
+
+
 class Transient(Exception):
     """A read cut short, or an answer that did not come in time: worth trying again."""
 
@@ -450,7 +455,7 @@ class ObjectStore(ProcessLocalState):
         """
         if length <= 0:
             return b""
-        return self._tried(name, lambda: self.get_once(name, start, length).data)
+        return self._ranged(name, start, length).data
 
     def read_range_of(self, name: str, start: int, length: int) -> ObjectBytes:
         """As :meth:`read_range`, with the object's size, last change and ETag as that one
@@ -462,8 +467,24 @@ class ObjectStore(ProcessLocalState):
             StoreError: it could not be read (after :data:`DOWNLOAD_TRIES` tries).
         """
         asked = max(1, length)  # a GET of no bytes is no request: ask one, keep none
-        got = self._tried(name, lambda: self.get_once(name, start, asked))
+        got = self._ranged(name, start, asked)
         return ObjectBytes(got.info, got.data[:length])
+
+    def _ranged(self, name: str, start: int, length: int) -> ObjectBytes:
+        """One ranged read of :meth:`_tried`; a range past the object's end (an object cut
+        short since its reader learned its size) is no bytes on every cloud alike, so the
+        reader finds the shard short and says it is damaged.
+
+        Raises:
+            FileNotFoundError: there is no such object.
+        """
+        try:
+            return self._tried(name, lambda: self.get_once(name, start, length))
+        except PastTheEnd:
+            info = self.head(name)
+            if info is None:
+                raise FileNotFoundError(self.where(name)) from None
+            return ObjectBytes(info, b"")
 
     def check_whole(self, name: str, got: int, size: int) -> None:
         """Raise :class:`Transient` (tried again whole) if a body of ``size`` bytes ended
@@ -619,7 +640,7 @@ class _Errors:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: Any) -> None:
-        if e is None or isinstance(e, Absent | Exists | FileNotFoundError):
+        if e is None or isinstance(e, Absent | Exists | PastTheEnd | FileNotFoundError):
             return
         if not isinstance(e, StoreError | ConfigError | Transient):
             try:
@@ -951,6 +972,8 @@ class S3Objects(ObjectStore):
             raise self.no_bucket() from None
         if code in ("404", "NoSuchKey", "NotFound"):
             raise Absent(name) from None
+        if code in ("416", "InvalidRange"):
+            raise PastTheEnd(name) from None
         if code in ("412", "PreconditionFailed", "ConditionalRequestConflict"):
             raise Exists(name) from None
         if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
@@ -1598,9 +1621,15 @@ class AzureObjects(ObjectStore):
         if isinstance(e, zx.ServiceRequestError):
             raise self.unreachable(name, e) from None
         if isinstance(e, zx.HttpResponseError):
-            if e.status_code == 403:
-                raise self.denied(name, code or "403", "the credentials") from None
-            raise StoreError(
-                f"{self.where(name)}: {code or e.status_code}: {redact(str(e.reason))}"
-            ) from e
+            self._raise_response_error(name, e, code)
         raise e
+
+    def _raise_response_error(self, name: str, e: Any, code: str) -> None:
+        """Raise what an HTTP error answer means (``e``: the SDK's ``HttpResponseError``)."""
+        if code == "InvalidRange" or e.status_code == 416:
+            raise PastTheEnd(name) from None
+        if e.status_code == 403:
+            raise self.denied(name, code or "403", "the credentials") from None
+        raise StoreError(
+            f"{self.where(name)}: {code or e.status_code}: {redact(str(e.reason))}"
+        ) from e

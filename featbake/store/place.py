@@ -515,6 +515,16 @@ def remote_place(layout: Layout) -> RemotePlace | None:
     return remote if isinstance(remote, RemotePlace) else None
 
 
+def place_holds_shard(layout: Layout, name: str) -> bool:
+    """Whether the place itself holds shard ``name``: a directory's file, a bucket's object,
+    never a tier's copy. A tier's copy outlives an object deleted by hand (as ``featbake
+    verify`` says to do with a damaged one) or by a gc on another node: what decides that a
+    key is stored, and so is not encoded again, must ask the bucket (a listing, once per
+    process, then a HEAD for a name it lacks)."""
+    remote = remote_place(layout)
+    return remote.has_shard(name) if remote is not None else layout.shard_path(name).is_file()
+
+
 def holds_shard(layout: Layout, name: str) -> bool:
     """Whether the store holds shard ``name``: its file in ``layout`` (a directory's shard, a
     tier's copy), else, where ``layout`` is a bucket's tier, the bucket's object (asked only

@@ -30,8 +30,10 @@ from featbake.upkeep import GcOptions, gc, verify
 from tests.conftest import invoke, live_features, run_cli
 from tests.store.bucket.conftest import (
     QUICK_BACKOFF,
+    S3,
     SCHEMES,
     Place,
+    bucket_store,
     endpoint_env,
     upstream_port,
 )
@@ -702,3 +704,100 @@ def test_hints_fetch_the_coming_shards_in_the_background(
         torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
     assert store.tier.fetched == fetched  # type: ignore[attr-defined]
     assert_live(ds, encoder_file)
+
+
+# -- a tier's copy is not the bucket's object ----------------------------------------------------
+def test_a_shard_object_deleted_as_verify_says_is_built_again_from_a_node_holding_a_copy(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """``verify`` names a damaged shard object: "delete this object, then build again". Run
+    from the node that built the store, the build reused every key (its tier still held the
+    shard) and uploaded nothing: verify named the shard missing for ever, and other nodes
+    missed its items. What is stored is now asked of the bucket, not of the tier's copy."""
+    tier = tmp_path / "node-a"
+    build(audio_dir, encoder_file, cache=open_store(s3.url, local_cache=tier), workers=0,
+          shard_bytes=60_000)  # fmt: skip
+    shard = s3.objects("shards/")[0]
+    flip_a_byte(s3, shard, tmp_path / "flipped")
+    (bad,) = verify(s3.url, local_cache=tmp_path / "checker").remaining
+    assert "delete this object" in bad.detail
+    bucket_of(s3).delete([shard])
+    again = build(audio_dir, encoder_file, cache=open_store(s3.url, local_cache=tier), workers=0,
+                  shard_bytes=60_000)  # fmt: skip
+    assert again.encoded > 0 and again.encoded + again.reused == 16
+    assert verify(s3.url, local_cache=tmp_path / "checker-2").status == "clean"
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "node-b", on_miss="error"
+    )
+    assert_live(ds, encoder_file)
+
+
+def test_a_shard_is_uploaded_whatever_a_listing_said_and_whoever_evicts_its_tier_copy(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two races of a build's upload. A listing taken before a gc swept an unnamed object of
+    the same bytes (a killed build's): the upload was skipped, and the catalog named a shard
+    the bucket lacked. Another process's reads evicting the tier's copy between the check and
+    the upload: ``internal error: FileNotFoundError``. Each shard is now uploaded from a hard
+    link of the tier's copy."""
+    tier = tmp_path / "node-a"
+    build(audio_dir, encoder_file, cache=open_store(s3.url, local_cache=tier), workers=0,
+          shard_bytes=60_000)  # fmt: skip
+    shard = s3.objects("shards/")[0]
+    name = Path(shard).stem
+    want = bucket_of(s3).read(shard).data
+    store = bucket_store(s3.url, tier)  # a fresh process's view: nothing uploaded by it yet
+    assert name in store.shard_objects()  # the listing names the object...
+    bucket_of(s3).delete([shard])  # ...that a gc then sweeps
+    store.publish_shards([name])
+    assert bucket_of(s3).read(shard).data == want
+    bucket_of(s3).delete([shard])
+    store = bucket_store(s3.url, tier)
+    upload = store.bucket.upload
+
+    def evicted_first(obj: str, src: Path, **kw: bool) -> bool:
+        store.layout.shard_path(name).unlink()  # another process's read made room
+        return upload(obj, src, **kw)
+
+    monkeypatch.setattr(store.bucket, "upload", evicted_first)
+    store.publish_shards([name])
+    assert bucket_of(s3).read(shard).data == want
+    assert not list(store.layout.tmp.glob("*.upload"))  # the link is gone with its upload
+
+
+def test_one_flipped_byte_in_a_catalog_version_is_named_by_every_command(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """A damaged page of a published version: ``verify`` said clean (exit 0) while ``stats``,
+    ``gc``, ``roots`` and ``build`` ended in ``internal error: DatabaseError: database disk
+    image is malformed``. The download's check runs SQLite's ``quick_check`` now."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    version = tmp_path / "v1.sqlite"
+    bucket_of(s3).download(version_name(1), version)
+    data = bytearray(version.read_bytes())
+    data[4096] ^= 0xFF  # page 2's kind: a table's b-tree page no more
+    version.write_bytes(bytes(data))
+    bucket_of(s3).upload(version_name(2), version)
+    for command in ("verify", "stats"):
+        got = invoke(command, "--cache", s3.url, "--local-cache", tmp_path / command)
+        assert got.returncode == 6, got.stdout + got.stderr
+        lines = got.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"{s3.url}/{version_name(2)} is damaged" in lines[0], lines
+        assert "delete that object" in lines[0]
+
+
+def test_a_range_past_an_objects_end_is_no_bytes_on_every_cloud(
+    place: Place, tmp_path: Path
+) -> None:
+    """A shard object cut short since its reader learned its size: gs answered no bytes (the
+    reader then said the shard is damaged, exit 6), s3 and az refused the range ("InvalidRange
+    ... not satisfiable", exit 5) and named no damage."""
+    (tmp_path / "ten").write_bytes(b"0123456789")
+    bucket = bucket_of(place)
+    bucket.upload("shards/ab/short", tmp_path / "ten")
+    got = bucket.read_range_of("shards/ab/short", 20, 5)
+    assert got.data == b"" and got.info.size == 10
+    assert bucket.read_range("shards/ab/short", 10, 4) == b""
+    assert bucket.read_range("shards/ab/short", 8, 4) == b"89"
+    with pytest.raises(FileNotFoundError):
+        bucket.read_range_of("shards/ab/none", 20, 5)
