@@ -469,10 +469,19 @@ class WriterThread:
             except BaseException as e:
                 self.error = e
         finally:
+            self._finish(catalog)
+
+    def _finish(self, catalog: Any) -> None:
+        """Record what was sealed (also on Ctrl-C), or close this thread's own catalog. A
+        failure here (a fragment's upload refused) is the build's error, raised where the
+        build joins this thread, not a traceback printed from it; the first error stays."""
+        try:
             if self._sink is not None:
-                self._sink.flush()  # what was sealed is recorded, also on Ctrl-C
+                self._sink.flush()
             else:
                 catalog.close()
+        except BaseException as e:
+            self.error = self.error or e
 
     def _seconds_until_due(self) -> float | None:
         """Seconds until the oldest feature not sealed has waited ``seal_seconds`` (None:

@@ -15,6 +15,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ import featbake.bake.threads as writer_thread
 from featbake.bake.pipeline import build
 from featbake.bake.threads import HANDOFF_ITEMS, WriterThread
 from featbake.encode.sources import AudioSource, source_for
-from featbake.errors import ConfigError
+from featbake.errors import ConfigError, StoreError
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.catalog import Catalog
@@ -272,6 +273,30 @@ def test_a_failure_in_the_thread_reaches_the_caller(
             time.sleep(0.01)
     with pytest.raises(ConfigError, match="cannot store dtype"):
         writer.close()  # and again at close, which waits for the thread
+
+
+class _FlushRefused(Catalog):
+    """A build's catalog whose last fragment's upload is refused (an endpoint that stopped
+    taking writes)."""
+
+    def flush(self) -> None:
+        raise StoreError("cannot reach http://127.0.0.1:9 for s3://b/f/fragments/x; check it")
+
+
+def test_a_failure_recording_the_last_seal_reaches_the_caller_not_stderr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread records what it sealed in its ``finally``; a failure there escaped the
+    thread: ``Exception in thread featbake-writer: Traceback ...`` (20 lines) before the
+    build's one line. It is now the error the caller's ``close`` raises."""
+    escaped: list[object] = []
+    monkeypatch.setattr(threading, "excepthook", escaped.append)
+    layout = Layout(tmp_path / "store").ensure()
+    writer = WriterThread(layout, EFP, RFP, shard_bytes=1 << 20, sink=_FlushRefused(layout))
+    writer.put("a" * 64, {"": torch.ones(4)})
+    with pytest.raises(StoreError, match="cannot reach"):
+        writer.close()
+    assert escaped == []
 
 
 # == test_seal_on_time =============================================================================
