@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from featbake.errors import ConfigError
 
@@ -97,17 +97,24 @@ def endpoint_from(env: Mapping[str, str]) -> str | None:
     if not value:
         return None
     shown = redact(value)
-    parts = urlsplit(value)
-    try:
-        port = parts.port
-    except ValueError:
-        port = -1
-    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+    parts = _split(value)
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(
             f"{var}={shown!r} is not an endpoint URL; write it as http://host:port or "
             "https://host (a port from 1 to 65535), e.g. AWS_ENDPOINT_URL=http://127.0.0.1:9000"
         )
     return value
+
+
+def _split(value: str) -> SplitResult | None:
+    """``value`` split as a URL; None where it is not one (an unclosed IPv6 bracket, a port
+    that is not a number from 0 to 65535), which ``urlsplit`` or its ``port`` raise for."""
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018  (parsed on first use)
+    except ValueError:
+        return None
+    return parts
 
 
 def endpoint() -> str | None:
@@ -131,7 +138,13 @@ def endpoint_folder(value: str | None) -> str:
     """
     if not value:
         return "aws"
-    parts = urlsplit(value)
+    parts = _split(value)  # ConfigError: not a URL (each cloud's endpoint comes through here)
+    if parts is None:
+        raise ConfigError(
+            f"the endpoint {redact(value)!r} is not a URL; write it as http://host:port or "
+            "https://host (AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST, or the BlobEndpoint of "
+            "AZURE_STORAGE_CONNECTION_STRING)"
+        )
     where = (parts.hostname or "") + (f":{parts.port}" if parts.port else "") + parts.path
     return re.sub(r"[^A-Za-z0-9.-]+", "_", where).strip("_") or "endpoint"
 
@@ -205,7 +218,8 @@ class BucketURL:
         """``where`` read as a ``scheme://bucket[/prefix]`` URL.
 
         Raises:
-            ConfigError: not a URL, a scheme featbake does not speak, or no bucket.
+            ConfigError: not a URL, a scheme featbake does not speak, no bucket, or a prefix
+                with an empty, ``.`` or ``..`` folder.
 
         Example:
             >>> BucketURL.parse("s3://team-features/wav2vec2/")
@@ -239,7 +253,15 @@ class BucketURL:
                 f"{bucket!r} is not a bucket name (letters, digits, '.', '-' and '_', 2 to 255 "
                 f"of them, starting with a letter or digit); fix the {scheme}:// URL"
             )
-        return cls(bucket, prefix.strip("/"), scheme)
+        prefix = prefix.strip("/")
+        if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+            raise ConfigError(
+                f"'{scheme}://{bucket}/{prefix}' has an empty, '.' or '..' folder in its prefix: "
+                "the object store takes them as names, where a path would not (another store's "
+                "local tier, or a tier outside --local-cache); write the prefix plainly, e.g. "
+                f"{scheme}://{bucket}/features"
+            )
+        return cls(bucket, prefix, scheme)
 
     def key(self, name: str) -> str:
         """The object key of ``name`` (a path inside the store) under this URL's prefix."""

@@ -33,6 +33,42 @@ def test_gs_and_az_urls_name_a_bucket_a_prefix_and_their_scheme(scheme: str) -> 
     assert str(url) == f"{scheme.lower()}://team/a/b"
 
 
+@pytest.mark.parametrize(
+    "url", ["s3://team/a/../features", "gs://team/../../../outside", "az://cc/./f", "s3://tt/a/.."]
+)
+def test_a_prefix_with_a_dot_folder_is_refused(url: str, tmp_path: Path) -> None:
+    """An object store takes ``..`` as a name where the tier's path walks up: ``s3://b/../x``
+    put its tier outside ``--local-cache``, and ``s3://b/a/../f`` shared the tier of
+    ``s3://b/f`` while naming other objects."""
+    with pytest.raises(ConfigError, match=r"has an empty, '\.' or '\.\.' folder in its prefix"):
+        BucketURL.parse(url)
+    with pytest.raises(ConfigError, match="write the prefix plainly"):
+        open_store(url, local_cache=tmp_path / "tiers")
+    assert not (tmp_path / "tiers").exists()
+    assert BucketURL.parse("s3://tt/a.b/..c/...").prefix == "a.b/..c/..."  # dots inside a name
+
+
+@pytest.mark.parametrize("env", ["STORAGE_EMULATOR_HOST", "AZURE_STORAGE_CONNECTION_STRING"])
+def test_a_malformed_endpoint_of_any_cloud_is_one_line(env: str, tmp_path: Path) -> None:
+    """An unclosed IPv6 bracket in the endpoint: ``urlsplit`` raises ValueError, which was
+    an internal error on every cloud (S3's setting: ``test_bucket_trust.py``)."""
+    from featbake.store.url import endpoint_folder, endpoint_from
+
+    value = "http://[::1:4443"
+    if env == "AZURE_STORAGE_CONNECTION_STRING":
+        value = f"AccountName=a;AccountKey=k;BlobEndpoint={value}/a;"
+    scheme = "gs" if env == "STORAGE_EMULATOR_HOST" else "az"
+    got = invoke(
+        "stats", "--cache", f"{scheme}://team/f", "--local-cache", tmp_path, env={env: value}
+    )
+    assert got.returncode == 2 and "is not a URL" in got.stderr, got.stderr
+    assert "internal error" not in got.stderr and len(got.stderr.strip().splitlines()) == 1
+    with pytest.raises(ConfigError, match="not an endpoint URL"):
+        endpoint_from({"AWS_ENDPOINT_URL": "http://[::1:9000"})
+    with pytest.raises(ConfigError, match="is not a URL"):
+        endpoint_folder("http://[::1:9000")
+
+
 @pytest.mark.parametrize("url", ["hdfs://b/p", "https://host/store", "abfs://c/p"])
 def test_a_url_of_another_scheme_is_refused_and_not_read_as_a_folder(url: str) -> None:
     with pytest.raises(ConfigError, match=r"speak s3://, gs://, az://"):
