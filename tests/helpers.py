@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from featbake.bake.pipeline import build
 from featbake.recipe import Recipe
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
+from featbake.store.hash_cache import racy_window_ns
 from featbake.store.layout import Layout
 from featbake.store.objects import ObjectStore
 from featbake.store.shard import ShardReader
@@ -382,3 +384,14 @@ def script_lines(tmp_path: Path, text: str, clips: int = 2) -> list[str]:
     )
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout.splitlines()
+
+
+def wait_past_racy(folder: Path) -> None:
+    """Return once the clock is past the racy window of every file in ``folder`` (a digest
+    recorded before then is not trusted by a rebuild: ``FileStat.racy``). A wait on the clock,
+    not on the machine's load."""
+    newest = max(max(p.stat().st_mtime_ns, p.stat().st_ctime_ns) for p in folder.iterdir()
+                 if p.exists())  # fmt: skip
+    past = newest + racy_window_ns(newest, newest) + 1
+    while time.time_ns() <= past:
+        time.sleep((past - time.time_ns()) / 1e9 + 1e-3)

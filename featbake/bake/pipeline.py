@@ -54,6 +54,8 @@ from featbake.encode.fingerprints import (
     cached_file_encoder_fp,
     digest_here,
     encoder_fingerprint,
+    encoder_state,
+    loaded_state,
 )
 from featbake.encode.hf import HF, check_recipe_supported, is_hf_folder, recipe_for_encoder
 from featbake.encode.inputs import (
@@ -71,7 +73,14 @@ from featbake.encode.manifests import Item
 from featbake.encode.sources import ScanResult, Source, file_stat_or_none, source_for
 from featbake.encode.tables import CarriedCell, Table
 from featbake.encode.webdataset import WebDataset
-from featbake.errors import ConfigError, EncodeError, FeatbakeError, SourceError, StoreError
+from featbake.errors import (
+    ConfigError,
+    EncodeError,
+    EncoderLoadError,
+    FeatbakeError,
+    SourceError,
+    StoreError,
+)
 from featbake.gcpause import gc_paused
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
@@ -517,6 +526,9 @@ class BuildEncoder:
     kind: str
     known_fp: str | None = None  # the fingerprint, known without loading (None once loaded)
     loaded: LoadedEncoder | None = None
+    #: What ``known_fp`` was cached against (a file's stat, a folder's state), where this
+    #: process read it; None where it came from elsewhere (an engine's driver).
+    known_state: object = None
 
     @classmethod
     def named(
@@ -541,7 +553,8 @@ class BuildEncoder:
             enc = loaded_encoder(*args)
             return cls(*args, enc.label, enc.kind, loaded=enc)
         kind = HF if os.path.isdir(path) else detect_kind(Path(path))
-        return cls(*args, str(Path(path).resolve()), kind, known_fp=fp)
+        state = encoder_state(path)
+        return cls(*args, str(Path(path).resolve()), kind, known_fp=fp, known_state=state)
 
     def fingerprint(self, catalog: HashCache) -> str:
         """``encoder_fp``: from the hash cache, or from the loaded encoder (and cached there)."""
@@ -553,15 +566,34 @@ class BuildEncoder:
     def load(self) -> LoadedEncoder:
         """The encoder ready to run, loaded on the first call.
 
-        Its fingerprint stays the one the hash cache gave for the file's unchanged stat, the
-        trust :func:`encoder_fingerprint` gives a loaded encoder's file as well.
+        Its fingerprint stays the one the hash cache gave where the file (or folder) loaded
+        still has the stat it was cached against, the trust :func:`encoder_fingerprint` gives
+        a loaded encoder's file as well. Elsewhere (an engine's worker, given the driver's
+        fingerprint; a file replaced since it was looked up) its weights are hashed and must
+        give that fingerprint: the build's keys were made with it.
+
+        Raises:
+            EncoderLoadError: the encoder cannot be loaded, or is not the one the build's keys
+                name (it changed while the build ran).
         """
         if self.loaded is None:
-            self.loaded = loaded_encoder(self.spec, self.weights, self.device,
-                                         self.trust_pickle, self.recipe)  # fmt: skip
+            loaded = loaded_encoder(self.spec, self.weights, self.device,
+                                    self.trust_pickle, self.recipe)  # fmt: skip
             if self.known_fp is not None:
-                self.loaded._fingerprint = self.known_fp  # same file, same stat: same bytes
+                if self.known_state is None or loaded_state(loaded) != self.known_state:
+                    self._check_same_encoder(loaded)
+                loaded._fingerprint = self.known_fp
+            self.loaded = loaded
         return self.loaded
+
+    def _check_same_encoder(self, loaded: LoadedEncoder) -> None:
+        """Raise unless ``loaded``'s weights give the fingerprint the build keys by."""
+        if loaded.fingerprint != self.known_fp:
+            raise EncoderLoadError(
+                f"the encoder {self.label} changed while this build ran (its weights are not "
+                f"the ones its keys were made with, {str(self.known_fp)[:12]}); nothing was "
+                "stored from it: run the build again"
+            )
 
 
 def unloaded_file(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import os
 import pickle
@@ -37,7 +38,8 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, TypeVar
@@ -52,6 +54,7 @@ from featbake.bake.pipeline import (
     BuildEncoder,
     Engine,
     EngineJob,
+    Failure,
     PartEncoder,
     PartResult,
     ProgressFn,
@@ -87,6 +90,27 @@ from featbake.store.roots import RootSpec
 #: whole (less what its worker sealed) when its worker dies. The bytes path
 #: (:func:`featbake.ray.encode`, whose rows carry their inputs) keeps tasks of this size.
 ROWS_PER_TASK = 64
+
+#: How many times a task is run when its actor dies under it (Ray restarts the actor): a node
+#: lost, a worker killed, then an input that ends every process that encodes it.
+TASK_TRIES = 3
+
+
+def bounded_task_tries() -> dict[str, int]:
+    """The remote options each encoding actor is made with: a task run :data:`TASK_TRIES`
+    times at most (Ray Data's default tries it for ever; the actor itself is still restarted
+    whenever it dies, as by default)."""
+    return {"max_task_retries": TASK_TRIES - 1}
+
+
+def task_tries_option(map_batches: Callable[..., Any]) -> dict[str, Any]:
+    """``map_batches``' option bounding a task's tries, where this Ray has it (``ray_remote_
+    args_fn``, deprecated from Ray 2.60, to be removed in 2.64: without it, Ray's default)."""
+    if "ray_remote_args_fn" in inspect.signature(map_batches).parameters:
+        return {"ray_remote_args_fn": bounded_task_tries}
+    return {}
+
+
 #: Tasks per actor a folder build aims at: enough to balance the actors and tick the progress,
 #: few enough that a large build's part fragments and last, partly filled shards (one of each
 #: per task) stay few: 10M inputs on 8 actors were 156,250 tasks of 64, each a fragment for the
@@ -296,11 +320,13 @@ def ray_unreached(address: str, why: str) -> str:
 
 
 def quiet(ray: Any) -> None:
-    """No progress bars or execution logs from Ray Data: featbake draws its own progress."""
+    """No progress bars or execution logs from Ray Data: featbake draws its own progress, and
+    says what ended a run in its own one line (Ray Data logs a task's failure as an error
+    with its traceback, twice, before it raises it)."""
     import logging
 
-    for name in ("ray.data", "ray"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    logging.getLogger("ray.data").setLevel(logging.CRITICAL)
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     with contextlib.suppress(AttributeError):
@@ -364,16 +390,23 @@ class RayEngine:
 
     def on_actors(self, ray: Any, ds: Any, actor: type, args: tuple[Any, ...], rows: int) -> Any:
         """``ds`` mapped by this engine's actor pool of ``actor(*args)``: ``workers`` actors of
-        a CPU (and ``gpus_per_worker`` GPUs) each, a task every ``rows`` rows."""
-        return ds.map_batches(
-            actor,
-            fn_constructor_args=args,
-            batch_size=rows,
-            batch_format="numpy",
-            compute=ray.data.ActorPoolStrategy(size=self.workers),
-            num_cpus=1,
-            num_gpus=self.gpus_per_worker or None,
-        )
+        a CPU (and ``gpus_per_worker`` GPUs) each, a task every ``rows`` rows.
+
+        A task whose actor died is tried again on a restarted actor :data:`TASK_TRIES` times,
+        not for ever (Ray Data's default): an input that ends its process (a crash in the
+        encoder's native code, the OOM killer) ends the build instead of looping."""
+        with warnings.catch_warnings():  # Ray 2.60 to 2.63 warn of the option, not of its use
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+            return ds.map_batches(
+                actor,
+                fn_constructor_args=args,
+                batch_size=rows,
+                batch_format="numpy",
+                compute=ray.data.ActorPoolStrategy(size=self.workers),
+                num_cpus=1,
+                num_gpus=self.gpus_per_worker or None,
+                **task_tries_option(ds.map_batches),
+            )
 
     def encode(
         self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
@@ -655,22 +688,47 @@ def as_returned(ray: Any, pending: list[Any]) -> Iterator[Any]:
 def task_lost(error: BaseException, pending: int) -> BuildIncomplete:
     """The one line for a hashing task Ray could not run to its end (its worker or node lost
     after Ray's own retries, out of memory, or an error that is not featbake's)."""
+    return BuildIncomplete(
+        f"a Ray task hashing the inputs failed ({_ray_why(error)}); {pending} more were "
+        "cancelled. The digests that came back are kept: rerun the build to hash the rest (see "
+        "the Ray dashboard or `ray logs` for the worker's side)"
+    )
+
+
+def encoding_lost(error: BaseException) -> BuildIncomplete:
+    """The one line for an encoding task whose actor died under it :data:`TASK_TRIES` times
+    (an input that ends the process encoding it, a node lost, out of memory)."""
+    return BuildIncomplete(
+        f"a Ray task encoding the inputs failed {TASK_TRIES} times, its actor gone each time "
+        f"({_ray_why(error)}); what the tasks sealed is kept. If one input ends the process "
+        "that encodes it (a crash in native code, out of memory), a plain build (--engine "
+        "local) names it; then rerun the build (see `ray logs` for the worker's side)"
+    )
+
+
+def _ray_why(error: BaseException) -> str:
+    """What Ray's ``error`` says, in one line of at most 300 characters, without colours."""
     cause = getattr(error, "cause", None)  # a RayTaskError's: what the task itself raised
     error = cause if isinstance(cause, BaseException) else error
     first = re.sub(r"\x1b\[[0-9;]*m", "", first_line(error))  # Ray colours its lines
     name = type(error).__name__
-    why = first if first == name else f"{name}: {first}"
-    return BuildIncomplete(
-        f"a Ray task hashing the inputs failed ({why[:300]}); {pending} more were cancelled. "
-        "The digests that came back are kept: rerun the build to hash the rest (see the Ray "
-        "dashboard or `ray logs` for the worker's side)"
-    )
+    return (first if first == name else f"{name}: {first}")[:300]
 
 
 def _results(ds: Any) -> Iterator[dict[str, Any]]:
     """``ds``'s rows as they come; the error a task carried back raised as itself (its class,
     its one line: Ray Data's ``UserCodeException`` keeps only a worker's traceback text)."""
-    for row in ds.iter_rows():
+    from ray import exceptions as rx
+
+    lost = (rx.ActorDiedError, rx.ActorUnavailableError, rx.WorkerCrashedError, rx.NodeDiedError)
+    rows = iter(ds.iter_rows())
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except (*lost, rx.OutOfMemoryError) as e:
+            raise encoding_lost(e) from None
         if row[RESULT]:
             PartResult.from_json(row[RESULT]).raise_error()
         yield row
@@ -774,13 +832,55 @@ class BytesActor:
         todo: dict[str, WorkItem] = {}
         for key, name, data in zip(keys, ids, datas, strict=True):
             if key not in stored and key not in todo:  # a key once, however many rows have it
-                todo[key] = WorkItem(key, name, name)
-                held[name] = data
+                # Its bytes held by a name of their own: two rows of one id hold other bytes.
+                path = name if name not in held else f"{name}#{key[:16]}"
+                todo[key] = WorkItem(key, path, name)
+                held[path] = data
         result = worker.encode(list(todo.values()), held)
+        failed_alike(result, todo, zip(ids, keys, strict=True))
         result.reused = len({k for k in keys if k in stored})
         result.items = len(keys)
         first = [result.to_json(self.worker.answering)] + [""] * (len(keys) - 1)
         return {"id": ids, "key": keys, RESULT: first}
+
+
+def failed_alike(
+    result: PartResult, tried: Mapping[str, WorkItem], rows: Iterable[tuple[str, str]]
+) -> None:
+    """Add to ``result`` the failures of the other rows (id, key) of its batch holding the
+    bytes of a row that failed (``tried``: the item tried for each key): each is an input that
+    failed, as its twin did, not features a gc deleted.
+
+    Example:
+        >>> from featbake.bake.report import FailureCause
+        >>> done = PartResult(failed=[Failure("a.wav", "bad")], causes=[FailureCause.DATA])
+        >>> tried = {"k1": WorkItem("k1", "a.wav", "a.wav")}
+        >>> failed_alike(done, tried, [("a.wav", "k1"), ("b.wav", "k1")])
+        >>> [f.name for f in done.failed], len(done.causes)
+        (['a.wav', 'b.wav'], 2)
+    """
+    why = {f.name: (f, cause) for f, cause in zip(result.failed, result.causes, strict=True)}
+    tried_as = {key: it.name for key, it in tried.items()}
+    for name, key in rows:
+        twin = why.get(tried_as.get(key, ""))
+        if twin is not None and name != twin[0].name:
+            result.failed.append(Failure(name, twin[0].reason))
+            result.causes.append(twin[1])
+
+
+def repeated_id(items: Sequence[tuple[str, str]]) -> str | None:
+    """An id that names two inputs of different bytes among ``items`` (id, key), if any (pure).
+
+    Example:
+        >>> repeated_id([("x", "k1"), ("y", "k2"), ("x", "k1")])
+        >>> repeated_id([("x", "k1"), ("x", "k2")])
+        'x'
+    """
+    seen: dict[str, str] = {}
+    for name, key in items:
+        if seen.setdefault(name, key) != key:
+            return name
+    return None
 
 
 def _as_bytes(value: Any, column: str) -> bytes:
@@ -848,6 +948,12 @@ def encode(  # noqa: PLR0913  (public API: one keyword per option, as in build()
                     "cuda" if num_gpus > 0 else "cpu", recipe, runs, options, None)  # fmt: skip
     engine = RayEngine(workers, num_gpus)
     items, total = _encode_rows(ds, job, engine, column, id_column)
+    if (twice := repeated_id(items)) is not None:
+        raise ConfigError(
+            f"the id {twice!r} of column {id_column!r} names inputs of different bytes; give "
+            "each row an id of its own, or leave id_column out (each item is then named by its "
+            "key). What was encoded is kept: the next run reuses it"
+        )
     report = BuildReport(root.name, where, enc.label, enc_fp, recipe_fp, len(items))
     total.add_to(report)
     report.duplicates = len(items) - len({k for _, k in items})

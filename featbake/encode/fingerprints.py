@@ -664,6 +664,26 @@ def cached_file_encoder_fp(catalog: HashCache, path: str | os.PathLike[str]) -> 
         return None
 
 
+def encoder_state(path: str | os.PathLike[str]) -> FileStat | str | None:
+    """What a file encoder's cached fingerprint stands for, read now: the file's stat, or a
+    Hugging Face folder's state (:class:`FolderState`); None where it cannot be read."""
+    if os.path.isdir(path):
+        state = FolderState.of(path)
+        return None if state is None else state.cache_id
+    try:
+        return FileStat.of(path)
+    except OSError:
+        return None
+
+
+def loaded_state(encoder: LoadedEncoder) -> FileStat | str | None:
+    """:func:`encoder_state` of the file or folder ``encoder`` was loaded from, as it was
+    before the load (None: not loaded from one, or changed during the load)."""
+    if encoder.folder_state is not None:
+        return encoder.folder_state.cache_id
+    return None if encoder.loaded_from is None else encoder.loaded_from.stat
+
+
 def encoder_fingerprint(encoder: LoadedEncoder, catalog: HashCache, weights: str | None) -> str:
     """The encoder's fingerprint, cached in the hash cache against its file's stat.
 

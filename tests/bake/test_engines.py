@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import pickle
 import shutil
 from collections import Counter
@@ -19,6 +20,7 @@ import torch
 
 from featbake.bake import pipeline
 from featbake.bake.pipeline import (
+    BuildEncoder,
     EngineJob,
     PartEncoder,
     PartResult,
@@ -35,7 +37,7 @@ from featbake.testing import write_audio_folder
 from tests.conftest import live_features
 from tests.encode.test_containers import wav_bytes, write_audio_parquet, write_tar
 from tests.encode.test_manifests import reference, write_jsonl
-from tests.helpers import rewrite_each, stored_features
+from tests.helpers import rewrite_each, stored_features, wait_past_racy
 
 
 class InProcess:
@@ -547,3 +549,46 @@ def test_a_driver_of_the_featbake_before_gets_its_workers_refusal_as_one_line(
         )
     assert "\n" not in str(e.value)
     assert not list((tmp_path / "store").rglob("*.safetensors"))
+
+
+def test_an_encoder_file_replaced_after_its_key_was_taken_is_refused_at_its_load(
+    tmp_path: Path,
+) -> None:
+    """An engine's worker was handed the driver's fingerprint and copied it onto whatever file
+    it loaded: a checkpoint replaced after the driver keyed the build stored its features
+    under the old encoder's keys (a Ray build: every item wrong, and `verify` clean). So did
+    a plain build whose cached fingerprint was looked up before the file was replaced. A file
+    whose stat is not the one looked up is hashed at its load, and refused unless it is the
+    same encoder (another node's copy of the same checkpoint loads)."""
+    from featbake.errors import EncoderLoadError
+    from featbake.recipe import Recipe
+    from featbake.store.catalog import Catalog
+    from featbake.store.layout import Layout
+    from featbake.testing import TinyConvEncoder, save_torchscript
+
+    path = save_torchscript(TinyConvEncoder(seed=0), tmp_path / "enc.pt")
+    wait_past_racy(tmp_path)  # else its fingerprint, taken so soon after it, is not cached
+    other = save_torchscript(TinyConvEncoder(seed=1), tmp_path / "other.pt")
+    copy = tmp_path / "node-b" / "enc.pt"
+    copy.parent.mkdir()
+    shutil.copy(path, copy)
+    write_audio_folder(tmp_path / "audio", 2)
+    report = build(tmp_path / "audio", path, cache=tmp_path / "store", workers=0)
+    cpu, recipe = torch.device("cpu"), Recipe()
+    with Catalog(Layout(tmp_path / "store")) as catalog:
+        named = BuildEncoder.named(path, None, cpu, False, recipe, catalog)
+    assert named.loaded is None and named.known_fp == report.encoder_fp  # keyed unloaded
+    assert named.load().fingerprint == report.encoder_fp  # the same file: no hash
+    for spec, same in ((copy, True), (other, False)):  # a worker given the driver's key
+        worker = BuildEncoder(spec, None, cpu, False, recipe, "enc.pt", named.kind,
+                              known_fp=report.encoder_fp)  # fmt: skip
+        if same:
+            assert worker.load().fingerprint == report.encoder_fp
+        else:
+            with pytest.raises(EncoderLoadError, match="changed while this build ran"):
+                worker.load()
+    with Catalog(Layout(tmp_path / "store")) as catalog:
+        named = BuildEncoder.named(path, None, cpu, False, recipe, catalog)
+    os.replace(other, path)  # replaced between the key's lookup and the load
+    with pytest.raises(EncoderLoadError, match="changed while this build ran"):
+        named.load()

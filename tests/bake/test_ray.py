@@ -14,25 +14,26 @@ import socket
 import subprocess
 import sys
 import tarfile
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+import soundfile as sf
 import torch
 
 from featbake.bake.pipeline import build
 from featbake.encode import fingerprints
 from featbake.encode.fingerprints import ContainerAsk, DigestAsk
+from featbake.errors import BuildIncomplete, ConfigError
 from featbake.store.byteplace import BytePlace
 from featbake.store.catalog import Catalog
-from featbake.store.hash_cache import FileStat, racy_window_ns
+from featbake.store.hash_cache import FileStat
 from featbake.store.layout import Layout
 from featbake.store.shard import ShardReader
-from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
+from featbake.testing import TinyConvEncoder, make_tone, save_torchscript, write_audio_folder
 from tests.conftest import REPO, invoke, live_features, run_cli
-from tests.helpers import assert_store_consistent, printed, stored_features
+from tests.helpers import assert_store_consistent, printed, stored_features, wait_past_racy
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
@@ -77,6 +78,18 @@ class DyingEncoder(TinyConvEncoder):
 
 def build():
     return DyingEncoder()
+
+
+class PoisonedEncoder(TinyConvEncoder):
+    # Ends its process on any input of exactly 4,000 samples (a crash in native code).
+    def forward(self, wav):
+        if wav.shape[-1] == 4000:
+            os._exit(1)
+        return super().forward(wav)
+
+
+def poisoned():
+    return PoisonedEncoder()
 """
 
 
@@ -215,6 +228,44 @@ def test_an_undecodable_input_is_a_skipped_input(
     assert strict.returncode == 8, strict.stderr
     lines = [line for line in strict.stderr.splitlines() if line.startswith("error")]
     assert len(lines) == 1 and "broken.wav" in lines[0] and "Ray" not in lines[0], strict.stderr
+
+
+def test_an_input_that_ends_every_actor_encoding_it_ends_the_build_in_one_line(
+    ray_cluster: dict[str, str], clips: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray Data restarts a dead actor and tries its task again for ever by default: a build
+    with one such input never ended (15 actor processes in 90 s). The task is tried 3 times,
+    then the build says so in one line; what was sealed is kept."""
+    monkeypatch.syspath_prepend(ray_cluster["PYTHONPATH"].split(os.pathsep)[-1])
+    sf.write(clips / "poison.wav", make_tone(0.25, seed=5), 16000)  # 4,000 samples
+    engine = RayEngine(workers=1)
+    with pytest.raises(BuildIncomplete, match="encoding the inputs failed 3 times"):
+        build(clips, "dyingenc:poisoned", cache=tmp_path / "store", engine=engine, batch_size=1)
+
+
+def test_encode_holds_each_rows_bytes_apart_and_fails_every_row_of_bad_bytes(
+    ray_cluster: dict[str, str], clips: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Two rows of one id held their bytes under that id: the second row's bytes were
+    encoded under the first's key (another clip's features stored for it). Two ids of one
+    undecodable input: only the first was named failed, and the encode ended saying a gc had
+    deleted the second's features. Now the id is refused in one line (what was encoded kept:
+    each key its own bytes' features), and both bad rows fail."""
+    import featbake.ray
+
+    store, wavs = tmp_path / "store", sorted(clips.iterdir())
+    twice = [{"id": "x", "bytes": w.read_bytes()} for w in wavs[:2]]
+    with pytest.raises(ConfigError, match="the id 'x' of column 'id' names inputs of different"):
+        featbake.ray.encode(ray.data.from_items(twice), encoder=encoder_file, cache=store,
+                            column="bytes", id_column="id", workers=1)  # fmt: skip
+    bad = b"RIFF" + bytes(64)
+    rows = [{"id": w.name, "bytes": w.read_bytes()} for w in wavs]
+    rows += [{"id": "bad_a.wav", "bytes": bad}, {"id": "bad_b.wav", "bytes": bad}]
+    report = featbake.ray.encode(ray.data.from_items(rows), encoder=encoder_file, cache=store,
+                                 column="bytes", id_column="id", workers=1)  # fmt: skip
+    assert sorted(name for name, _ in report.failed) == ["bad_a.wav", "bad_b.wav"]
+    assert (report.encoded, report.reused) == (4, 2)  # the first two were kept from before
+    assert assert_live(store, report.root, clips, encoder_file) == 6
 
 
 def test_cli_ray_build_starts_its_own_ray_while_it_hashes(
@@ -409,17 +460,6 @@ def asked_of_the_digester(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(ClusterDigests, "__call__", counted)
     return asked
-
-
-def wait_past_racy(folder: Path) -> None:
-    """Return once the clock is past the racy window of every file in ``folder`` (a digest
-    recorded before then is not trusted by a rebuild: ``FileStat.racy``). A wait on the clock,
-    not on the machine's load."""
-    newest = max(max(p.stat().st_mtime_ns, p.stat().st_ctime_ns) for p in folder.iterdir()
-                 if p.exists())  # fmt: skip
-    past = newest + racy_window_ns(newest, newest) + 1
-    while time.time_ns() <= past:
-        time.sleep((past - time.time_ns()) / 1e9 + 1e-3)
 
 
 def root_keys(store: Path, root: str) -> dict[str, str]:
