@@ -20,8 +20,10 @@ from featbake.errors import ConfigError, FeatbakeError
 #: side checks the number it is sent (:func:`check_protocol`) and says so in one line rather
 #: than misreading the other. 1: what featbake sent before the number was (nothing: read as 1).
 #: 3: the hashing tasks' function and their results' classes are pickled from
-#: bake/ray_hashing.py and this module (bake/ray_engine.py and bake/pipeline.py in 2).
-ENGINE_PROTOCOL = 3
+#: bake/ray_hashing.py and this module (bake/ray_engine.py and bake/pipeline.py in 2). 4: a
+#: result names the keys its worker stored padded and whether a padding check failed there, and
+#: a job may ask its items encoded again alone (``redo``).
+ENGINE_PROTOCOL = 4
 
 
 def check_protocol(theirs: object, who: str) -> None:

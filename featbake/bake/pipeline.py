@@ -640,6 +640,10 @@ class _Bake:
     #: the catalog's count of other writers' commits when ``stored`` was read (see others_commits)
     stored_at: int | None = None
     elsewhere: Elsewhere | None = None  # another engine encodes the misses (see encode)
+    #: Keys the last :meth:`encode` stored from padded batches and did not encode again (its
+    #: padding held every check): an engine's driver has them encoded again alone if another
+    #: worker's check failed (see :meth:`encode_elsewhere`).
+    padded_left: list[str] = field(default_factory=list)
 
     @property
     def runner(self) -> BatchRunner:
@@ -837,6 +841,7 @@ class _Bake:
                 self.report.batching, self.report.batching_note = runner.mode, runner.note
         if runner.inexact and run.padded:  # padding failed a later check: redo the rest
             self.encode_padded_again(run.padded)
+        self.padded_left = [] if runner.inexact else [it.key for it in run.padded]
         run.tick()  # the last word: every byte sealed, none pending
         self.compactor.record(self.report, self.catalog, self.options.max_error)
 
@@ -867,12 +872,35 @@ class _Bake:
             WorkItem(k, p, self.item_name(p), stats.get(p), c)
             for (k, p), c in zip(work, carried, strict=True)
         ]
-        done = elsewhere.engine.encode(self.job(elsewhere), items, self.progress)
+        job = self.job(elsewhere)
+        done = elsewhere.engine.encode(job, items, self.progress)
+        if done.padding_failed and done.padded:
+            self.encode_padded_elsewhere(elsewhere, job, items, done)
         done.add_to(self.report)
         mine, theirs = self.compactor.measured, done.measured
         if theirs is not None:  # pooled with what converting stored features measured here
             self.compactor.measured = theirs if mine is None else mine.merged(theirs)
         self.compactor.record(self.report, self.catalog, self.options.max_error)
+
+    def encode_padded_elsewhere(
+        self, elsewhere: Elsewhere, job: EngineJob, items: list[WorkItem], done: PartResult
+    ) -> None:
+        """A worker's padding check failed: padding is inexact for this encoder, and what
+        other tasks (and workers) stored from padded batches before is encoded again alone,
+        on exact shapes, by the engine's workers (their fragments are newer: their rows win at
+        the merge, as a plain build's encoded again do). Counted in ``done``."""
+        again = set(done.padded)
+        exact = dataclasses.replace(job, runs=job.runs._replace(batching="exact"), redo=True)
+        redone = elsewhere.engine.encode(exact, [it for it in items if it.key in again], None)
+        redone.raise_error()
+        done.bytes_written += redone.bytes_written
+        done.shards_written += redone.shards_written
+        done.failed += redone.failed
+        done.causes += redone.causes
+        done.batching_note += (
+            f"; a padding check failed on a worker: the {len(again)} items other tasks had "
+            "padded before were encoded again alone"
+        )
 
     def item_name(self, path: str) -> str:
         """The item at ``path`` as the data names it (a manifest row's id, not its path)."""
@@ -1086,6 +1114,9 @@ class EngineJob:
     column: str | None = None
     driver_host: str = field(default_factory=this_host)
     protocol: int = ENGINE_PROTOCOL
+    #: The items are stored already, from padded batches another worker's check found
+    #: inexact: each is encoded again alone, whatever this build's fragments name.
+    redo: bool = False
 
     def sent_protocol(self) -> object:
         """The engine protocol of the driver that made this job, read from its own state: a
@@ -1193,6 +1224,8 @@ class PartResult:
     batching_note: str = ""
     measured: Measured | None = None
     error: CarriedError | None = None  # what a task raised (--strict's), raised by the driver
+    padded: list[str] = field(default_factory=list)  # keys stored padded, not encoded again
+    padding_failed: bool = False  # a padding check failed on the worker: padding is inexact
 
     @classmethod
     def raised(cls, e: FeatbakeError) -> PartResult:
@@ -1213,6 +1246,8 @@ class PartResult:
         self.causes += other.causes
         self.bytes_written += other.bytes_written
         self.shards_written += other.shards_written
+        self.padded += other.padded
+        self.padding_failed = self.padding_failed or other.padding_failed
         if other.batching and (
             not self.batching or len(other.batching_note) > len(self.batching_note)
         ):
@@ -1378,8 +1413,9 @@ class PartEncoder:
         plain build does, sealing every shard before returning. ``held``: path -> the bytes
         to decode (inputs that came with their bytes)."""
         bake, root = self.bake, self.job.root
-        sealed = self.sealed.of([it.key for it in items])
+        sealed = set() if self.job.redo else self.sealed.of([it.key for it in items])
         todo = [it for it in items if it.key not in sealed]
+        bake.padded_left = []
         bake.report = BuildReport(root.name, root.data, root.encoder_label, root.encoder_fp,
                                   root.recipe_fp, len(items))  # fmt: skip
         bake.compactor = Compactor(self.job.recipe)
@@ -1400,6 +1436,7 @@ class PartEncoder:
             len(items), r.encoded + done_before, 0, [Failure(n, why) for n, why in r.failed],
             r.causes, r.bytes_written,
             r.shards_written, r.batching, r.batching_note, bake.compactor.measured,
+            padded=bake.padded_left, padding_failed=bool(todo) and bake.runner.inexact,
         )  # fmt: skip
 
     def keyed_here(self, todo: list[WorkItem]) -> list[WorkItem]:

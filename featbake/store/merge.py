@@ -246,7 +246,10 @@ def fold_waiting(
         except StoreCorrupt:
             continue
         folded = MergeReport()
-        for f in frags:
+        # Newest first, as a finished build's (see _fold_build): an engine's workers that
+        # stored a feature again alone (padding found inexact on another worker, see
+        # bake/pipeline.py) sealed it in a later fragment, and the first row folded wins.
+        for f in sorted(frags, key=lambda f: f.created, reverse=True):
             _add_shards(catalog, f, folded)
         report.waiting_shards += folded.shards
         report.new_features += folded.new_features
