@@ -806,13 +806,14 @@ class LittlePaddingLeaks(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inner = LengthsEncoder()
+        self.little = LITTLE  # an attribute, so that TorchScript can script it too
 
     def forward(
         self, wav: torch.Tensor, lengths: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         feats, out_lengths = self.inner(wav, lengths)
         pad = wav.shape[-1] - lengths
-        bump = ((pad > 0) & (pad < LITTLE)).to(feats.dtype) * 0.5
+        bump = ((pad > 0) & (pad < self.little)).to(feats.dtype) * 0.5
         return feats + bump[:, None, None], out_lengths
 
 
@@ -833,8 +834,12 @@ def alone_plain(module: nn.Module, path: Path) -> torch.Tensor:
     return feats[0, : int(n[0])]
 
 
-def assert_serves_alone(data: Path, module: nn.Module, **kw: object) -> None:
-    ds = CachedFeatureDataset(data, module, on_miss="error", **kw)  # type: ignore[arg-type]
+def assert_serves_alone(
+    data: Path, module: nn.Module, encoder: Path | None = None, **kw: object
+) -> None:
+    """Every item of ``data``, served from the store built with ``encoder`` (default:
+    ``module`` itself, e.g. its TorchScript file), equals ``module`` run on it alone."""
+    ds = CachedFeatureDataset(data, encoder or module, on_miss="error", **kw)  # type: ignore[arg-type]
     assert len(ds) == 12
     for i in range(len(ds)):
         want = alone_plain(module, Path(ds.path(i)))

@@ -25,21 +25,20 @@ import torch
 from featbake.bake.pipeline import build
 from featbake.encode import fingerprints
 from featbake.encode.fingerprints import ContainerAsk, DigestAsk
-from featbake.encode.sources import AudioSource
 from featbake.errors import BuildIncomplete, ConfigError
-from featbake.recipe import Recipe
 from featbake.store.byteplace import BytePlace
 from featbake.store.catalog import Catalog
 from featbake.store.hash_cache import FileStat
 from featbake.store.layout import Layout
 from featbake.store.shard import ShardReader
 from featbake.testing import (
-    LengthsEncoder,
     TinyConvEncoder,
     make_tone,
     save_torchscript,
     write_audio_folder,
 )
+from tests.bake.test_batching import LittlePaddingLeaks, assert_serves_alone
+from tests.bake.test_batching import clips as padding_clips
 from tests.conftest import REPO, invoke, live_features, run_cli
 from tests.helpers import assert_store_consistent, printed, stored_features, wait_past_racy
 
@@ -276,24 +275,6 @@ def test_encode_holds_each_rows_bytes_apart_and_fails_every_row_of_bad_bytes(
     assert assert_live(store, report.root, clips, encoder_file) == 6
 
 
-class LittlePaddingLeaks(torch.nn.Module):
-    """A lengths encoder whose output is off for an input padded by 1 to 1,279 samples: the
-    padding check (the most padded item of a batch run alone) passes on batches padded more,
-    and fails only on a later one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = LengthsEncoder()
-
-    def forward(
-        self, wav: torch.Tensor, lengths: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        feats, out_lengths = self.inner(wav, lengths)
-        pad = wav.shape[-1] - lengths
-        bump = ((pad > 0) & (pad < 1280)).to(feats.dtype) * 0.5
-        return feats + bump[:, None, None], out_lengths
-
-
 def test_a_padding_check_failing_in_a_later_task_has_every_padded_item_encoded_alone(
     ray_cluster: dict[str, str], tmp_path: Path
 ) -> None:
@@ -301,19 +282,12 @@ def test_a_padding_check_failing_in_a_later_task_has_every_padded_item_encoded_a
     in a later task, 21 of 67 items kept features of padded batches (the plain build redoes
     all it padded). The driver now has every item stored padded encoded again alone by the
     workers once a check failed on any of them."""
-    seconds = [1.0, 0.96, 0.5, 1.5, 1.46, 1.0, 2.0, 1.96, 1.5, 2.5, 2.48, 2.46]
-    for n, sec in enumerate(seconds):
-        write_audio_folder(tmp_path / "clips" / f"c{n:02d}", 1, seconds=sec, seed=n)
-    encoder = save_torchscript(LittlePaddingLeaks(), tmp_path / "leaky.pt")
-    report = build(tmp_path / "clips", encoder, cache=tmp_path / "store", batch_size=3,
-                   batching="padded", engine=RayEngine(workers=1, rows_per_task=3))  # fmt: skip
+    data, module = padding_clips(tmp_path / "clips"), LittlePaddingLeaks()
+    encoder = save_torchscript(module, tmp_path / "leaky.pt")
+    report = build(data, encoder, cache=tmp_path / "store", batch_size=3, batching="padded",
+                   engine=RayEngine(workers=1, rows_per_task=3))  # fmt: skip
     assert "encoded again alone" in report.batching_note, report.batching_note
-    module = torch.jit.load(str(encoder))
-    for rel, parts in stored_features(tmp_path / "store", report.root).items():
-        wav = AudioSource(Recipe()).load(str(tmp_path / "clips" / rel))
-        with torch.inference_mode():
-            alone, n = module(wav[None], torch.tensor([wav.shape[-1]]))
-        torch.testing.assert_close(parts[""], alone[0, : int(n[0])], rtol=1e-4, atol=1e-5)
+    assert_serves_alone(data, module, encoder, cache=tmp_path / "store")
 
 
 def test_cli_ray_build_starts_its_own_ray_while_it_hashes(
