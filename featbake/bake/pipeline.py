@@ -51,10 +51,9 @@ from featbake.encode.encoders import LoadedEncoder, detect_kind, from_module
 from featbake.encode.fingerprints import (
     Digester,
     HeldBytes,
-    cached_file_encoder_fp,
+    cached_file_encoder,
     digest_here,
     encoder_fingerprint,
-    encoder_state,
     loaded_state,
 )
 from featbake.encode.hf import HF, check_recipe_supported, is_hf_folder, recipe_for_encoder
@@ -526,9 +525,9 @@ class BuildEncoder:
     kind: str
     known_fp: str | None = None  # the fingerprint, known without loading (None once loaded)
     loaded: LoadedEncoder | None = None
-    #: What ``known_fp`` was cached against (a file's stat, a folder's state), where this
-    #: process read it; None where it came from elsewhere (an engine's driver).
-    known_state: object = None
+    #: What ``known_fp`` was found cached for (a file's stat, a folder's state), where this
+    #: process looked it up; None where it came from elsewhere (an engine's driver).
+    known_state: FileStat | str | None = None
 
     @classmethod
     def named(
@@ -548,13 +547,13 @@ class BuildEncoder:
         """
         args = (spec, weights, device, trust_pickle, recipe)
         path = unloaded_file(spec, weights)
-        fp = None if path is None else cached_file_encoder_fp(cache, path)
-        if path is None or fp is None:
+        cached = None if path is None else cached_file_encoder(cache, path)
+        if path is None or cached is None:
             enc = loaded_encoder(*args)
             return cls(*args, enc.label, enc.kind, loaded=enc)
         kind = HF if os.path.isdir(path) else detect_kind(Path(path))
-        state = encoder_state(path)
-        return cls(*args, str(Path(path).resolve()), kind, known_fp=fp, known_state=state)
+        label = str(Path(path).resolve())
+        return cls(*args, label, kind, known_fp=cached.fp, known_state=cached.state)
 
     def fingerprint(self, catalog: HashCache) -> str:
         """``encoder_fp``: from the hash cache, or from the loaded encoder (and cached there)."""

@@ -625,7 +625,18 @@ def _trusted_from(st: FileStat) -> int:
     return max(st.mtime_ns, st.ctime_ns) + racy_window_ns(st.mtime_ns, st.ctime_ns)
 
 
-def cached_folder_encoder_fp(catalog: HashCache, folder: str | os.PathLike[str]) -> str | None:
+class CachedFingerprint(NamedTuple):
+    """A file encoder's fingerprint found in the hash cache, and what it was found there for:
+    the file's stat, or a Hugging Face folder's state (its :attr:`FolderState.cache_id`), as
+    :func:`loaded_state` reads them of a loaded encoder."""
+
+    fp: str
+    state: FileStat | str
+
+
+def cached_folder_encoder(
+    catalog: HashCache, folder: str | os.PathLike[str]
+) -> CachedFingerprint | None:
     """A Hugging Face folder's fingerprint without loading it (transformers never imported),
     if neither its files nor what builds its model changed since it was last loaded
     (:class:`FolderState`); else None."""
@@ -635,7 +646,9 @@ def cached_folder_encoder_fp(catalog: HashCache, folder: str | os.PathLike[str])
     if state is None:
         return None
     hit = catalog.cached_hashes([state.cache_id]).get(state.cache_id)
-    return hit.sha256 if hit and hit.stat == state.newest else None
+    if hit and hit.stat == state.newest:
+        return CachedFingerprint(hit.sha256, state.cache_id)
+    return None
 
 
 def file_encoder_cache_id(path: str | os.PathLike[str]) -> str:
@@ -643,15 +656,18 @@ def file_encoder_cache_id(path: str | os.PathLike[str]) -> str:
     return f"{ENCODER_FP_PREFIX}file:{resolve_path(path)}"
 
 
-def cached_file_encoder_fp(catalog: HashCache, path: str | os.PathLike[str]) -> str | None:
-    """A file encoder's fingerprint without loading it, if the file is unchanged since last time.
+def cached_file_encoder(
+    catalog: HashCache, path: str | os.PathLike[str]
+) -> CachedFingerprint | None:
+    """A file (or folder) encoder's fingerprint without loading it, if the file is unchanged
+    since last time, with the stat it was found for.
 
     This lets a dataset map inputs to keys (and serve hits) without ever loading the encoder.
     Always None for a pickled module: its fingerprint depends on its class's source code too,
     which only loading it reveals (and the build never caches it under this file id).
     """
     if os.path.isdir(path):
-        return cached_folder_encoder_fp(catalog, path)
+        return cached_folder_encoder(catalog, path)
     from featbake.encode.encoders import PICKLE, detect_kind  # torch: see the module's doc
 
     if detect_kind(Path(path)) == PICKLE:
@@ -659,26 +675,22 @@ def cached_file_encoder_fp(catalog: HashCache, path: str | os.PathLike[str]) -> 
     ident = file_encoder_cache_id(path)
     hit = catalog.cached_hashes([ident]).get(ident)
     try:
-        return hit.sha256 if hit and hit.stat == FileStat.of(path) else None
+        st = FileStat.of(path)
     except OSError:
         return None
+    return CachedFingerprint(hit.sha256, st) if hit and hit.stat == st else None
 
 
-def encoder_state(path: str | os.PathLike[str]) -> FileStat | str | None:
-    """What a file encoder's cached fingerprint stands for, read now: the file's stat, or a
-    Hugging Face folder's state (:class:`FolderState`); None where it cannot be read."""
-    if os.path.isdir(path):
-        state = FolderState.of(path)
-        return None if state is None else state.cache_id
-    try:
-        return FileStat.of(path)
-    except OSError:
-        return None
+def cached_file_encoder_fp(catalog: HashCache, path: str | os.PathLike[str]) -> str | None:
+    """:func:`cached_file_encoder`'s fingerprint alone (None where nothing is cached)."""
+    cached = cached_file_encoder(catalog, path)
+    return None if cached is None else cached.fp
 
 
 def loaded_state(encoder: LoadedEncoder) -> FileStat | str | None:
-    """:func:`encoder_state` of the file or folder ``encoder`` was loaded from, as it was
-    before the load (None: not loaded from one, or changed during the load)."""
+    """What the file or folder ``encoder`` was loaded from was before the load, as a cached
+    fingerprint stands for it (:class:`CachedFingerprint`'s ``state``); None: not loaded from
+    one, or changed during the load."""
     if encoder.folder_state is not None:
         return encoder.folder_state.cache_id
     return None if encoder.loaded_from is None else encoder.loaded_from.stat

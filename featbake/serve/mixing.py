@@ -69,7 +69,8 @@ def mix_weights(lengths: Sequence[int], weights: Sequence[float] | None) -> tupl
         raise ConfigError(f"dataset {empty[0]} is empty but has weight {w[empty[0]]}; give it 0")
     total = sum(w)
     if math.isinf(total):  # each weight finite, their sum past a float's range: scale first
-        w = [x / max(w) for x in w]
+        top = max(w)
+        w = [x / top for x in w]
         total = sum(w)
     return tuple(x / total for x in w)
 

@@ -239,7 +239,7 @@ def test_a_rebuild_of_an_unchanged_folder_imports_no_transformers_and_keeps_its_
 
     def cached() -> str | None:
         with Catalog(Layout(store)) as cat:
-            return fingerprints.cached_folder_encoder_fp(cat, folder)
+            return fingerprints.cached_file_encoder_fp(cat, folder)
 
     assert cached() == first.encoder_fp
     with monkeypatch.context() as m:  # another transformers builds another model

@@ -55,7 +55,7 @@ def record(folder: Path, store: Path, *, later: bool = True) -> str:
 
 def cached(folder: Path, store: Path) -> str | None:
     with Catalog(Layout(store)) as cat:
-        return fingerprints.cached_folder_encoder_fp(cat, folder)
+        return fingerprints.cached_file_encoder_fp(cat, folder)
 
 
 def rewrite_keeping_stat(path: Path, offset_from_end: int = 8) -> None:
