@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -62,6 +64,24 @@ def piped_width(env: Mapping[str, str]) -> int:
 
 console = make_console(stderr=True)
 out = make_console()
+
+
+@contextlib.contextmanager
+def stdout_for_json_only(as_json: bool) -> Iterator[None]:
+    """While a ``--json`` command runs, what a library prints to ``sys.stdout`` goes to stderr.
+
+    The JSON, printed after, is then all its stdout holds: Ray's driver prints a dead worker's
+    notice (``(raylet) A worker died ...``) to ``sys.stdout``, and a reader of ``--json``
+    found lines it could not parse before the object."""
+    if not as_json:
+        yield
+        return
+    kept = sys.stdout
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout = kept
 
 
 def examples(*commands: str) -> str:

@@ -24,6 +24,7 @@ from featbake.cli.app import (
     note_inert_options,
     out,
     progress_bar,
+    stdout_for_json_only,
     summary_lines,
     tick_bar,
 )
@@ -435,7 +436,7 @@ def build(
     bar = progress_bar()
     # Under torchrun only rank 0 draws a bar (it shows its own part), not N bars interleaved.
     on_progress = tick_bar(bar, {}) if os.environ.get("RANK", "0") == "0" else None
-    with bar:
+    with bar, stdout_for_json_only(as_json):
         reports = build_views(
             data,
             encoder,

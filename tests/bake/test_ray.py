@@ -800,3 +800,18 @@ def test_a_ray_build_leaves_no_claim_and_a_gc_after_it_frees_a_dropped_root(
     assert len(set((claims_dir(Layout(store)) / "index").read_text().split())) == 1
     drop_root(store, report.root)
     assert execute_gc(plan_gc(store, GcOptions(grace=0.0, retention=0.0))).rows_deleted == 6
+
+
+def test_a_json_build_whose_actors_die_prints_only_json_on_stdout(
+    ray_cluster: dict[str, str], clips: Path, tmp_path: Path
+) -> None:
+    """Ray prints a dead worker's notice (``(raylet) A worker died ...``) to the driver's
+    stdout: ``--json``'s stdout held lines no JSON reader takes. They now go to stderr, and a
+    build that ends in an error prints nothing to stdout."""
+    sf.write(clips / "poison.wav", make_tone(0.25, seed=5), 16000)  # ends every actor
+    args = ["-e", "dyingenc:poisoned", "-d", clips, "--cache", tmp_path / "store"]
+    proc = run_cli("build", *args, "--engine", "ray", "--workers", "1", "--batch-size", "1",
+                   "--json", env=ray_cluster)  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert "A worker died" in proc.stderr and "encoding the inputs failed 3 times" in proc.stderr
+    assert proc.stdout == ""  # a failed build prints no report
