@@ -283,15 +283,26 @@ def adopt_sealed_parts(catalog: Catalog) -> int:
     shards a part killed before its end sealed (or parts not merged yet) are its too, so it
     encodes none of them again. Manifests are left to ``featbake merge``; a fragment merged
     (and removed) meanwhile is skipped, its rows are in the catalog already.
+
+    Newest first, as a merge folds them (see :func:`fold_waiting`): a Ray build's second pass
+    stored alone, in later fragments, what a failed padding check made inexact; the first
+    row folded wins. Before, a plain rerun after a Ray driver killed between that pass and
+    its merge adopted them in their names' order and could keep the padded row.
     """
     adopted = MergeReport()
+    frags: list[Fragment] = []
     for name in sealed_fragments(catalog.layout):
         if name.kind is FragmentKind.SERVE or not name.path.exists():
             continue
         try:
-            _add_shards(catalog, _read(name.path, catalog.layout), adopted)
+            frags.append(_read(name.path, catalog.layout))
         except (StoreCorrupt, sqlite3.Error):
             continue  # unreadable, or merged meanwhile: its keys are encoded or in the catalog
+    for f in sorted(frags, key=lambda f: f.created, reverse=True):
+        try:  # its rows are copied from the file (ATTACH): merged and removed meanwhile
+            _add_shards(catalog, f, adopted)
+        except (StoreCorrupt, sqlite3.Error):
+            continue
     return adopted.new_features
 
 

@@ -47,7 +47,7 @@ from featbake.store.fragments import (
 )
 from featbake.store.hash_cache import FileStat, HashRow
 from featbake.store.layout import Layout
-from featbake.store.merge import merge, pending_builds
+from featbake.store.merge import adopt_sealed_parts, merge, pending_builds
 from featbake.store.roots import RootSpec
 from featbake.store.shard import SealedShard, ShardEntry, write_shard
 from featbake.testing import make_tone, write_audio_folder
@@ -1025,3 +1025,22 @@ def test_a_done_fragment_carries_its_undecodable_inputs_and_older_ones_read_as_n
         conn.execute("INSERT INTO meta(name, value) VALUES ('undecodable', '[not json')")
     conn.close()
     assert read_fragment(older, layout).undecodable == ()
+
+
+def test_a_build_adopts_an_unfinished_builds_fragments_newest_first(tmp_path: Path) -> None:
+    """A Ray build whose padding check failed stores those keys again alone, in later part
+    fragments (the first row folded wins). A driver killed before its merge left both; a plain
+    build over the store adopted them in their names' order and kept the padded row."""
+    layout = Layout(tmp_path / "store").ensure()
+    efp, rfp = "e" * 64, "r" * 64
+    key = "a" * 64
+    rank = FragmentCatalog(layout, RankPart(0, 1, [("a.wav", 10)]))
+    rank.record_encoder(efp, "enc", "torchscript")
+    rank.replace_root(RootSpec("r", "/d", "enc", efp, rfp, {}), [("a.wav", key)])
+    rank.add_shard(write_shard(layout, {key: torch.ones(3)}, efp, rfp))  # padded
+    exact = write_shard(layout, {key: torch.full((3,), 2.0)}, efp, rfp)  # encoded alone, later
+    rank.add_shard(exact)
+    rank.close()  # no finish(): the driver was killed before the merge
+    with Catalog(layout) as cat:
+        assert adopt_sealed_parts(cat) == 1
+        assert [loc.shard for loc in cat.locate(key)] == [exact.name]
