@@ -32,7 +32,7 @@ from typing import NamedTuple, TypeVar
 from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorrupt, StoreError
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
 from featbake.store.blocks import BlockPlan, BlockWindowWarning, windows_over
-from featbake.store.catalog import Access, open_sqlite
+from featbake.store.catalog import Access, catalog_file_problems, open_sqlite
 from featbake.store.files import Hold, holding, list_folder, publish_file
 from featbake.store.fragments import (
     fragment_shard_names,
@@ -920,31 +920,22 @@ def catalog_items(catalog: Path) -> int:
 
 
 def check_catalog_file(path: Path, where: str) -> None:
-    """Raise unless ``path`` is a readable SQLite catalog (a published version downloaded from
+    """Raise unless ``path`` is a usable SQLite catalog (a published version downloaded from
     ``where``): SQLite's ``quick_check`` finds a damaged page (one flipped byte in the object)
     that a query would meet later, as "database disk image is malformed" in whatever command
-    read that page.
+    read that page; a missing table or column is named too (:func:`catalog_file_problems`, as
+    ``verify`` checks a directory's catalog).
 
     Raises:
         StoreCorrupt: it is not: the message names the bucket object and what to do.
     """
-    try:
-        conn = open_sqlite(path, Access.IMMUTABLE)
-        conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages: any bytes
-        try:
-            conn.execute("SELECT count(*) FROM shards").fetchone()
-            (res,) = conn.execute("PRAGMA quick_check").fetchone()
-        finally:
-            conn.close()
-        if res != "ok":  # one line per problem, under a "*** in database main ***" head
-            found = [line.strip() for line in res.splitlines() if not line.startswith("***")]
-            raise sqlite3.DatabaseError(f"damaged: {'; '.join(filter(None, found))[:300]}")
-    except sqlite3.DatabaseError as e:
+    problems = catalog_file_problems(path, Access.IMMUTABLE)
+    if problems:
         raise StoreCorrupt(
-            f"the catalog version {where} is damaged ({e}); delete that object so the version "
-            "before it serves again (`featbake verify --cache URL` then lists what it lacks), "
-            "and rebuild what went missing"
-        ) from None
+            f"the catalog version {where} is damaged ({'; '.join(problems[:5])}); delete that "
+            "object so the version before it serves again (`featbake verify --cache URL` then "
+            "lists what it lacks), and rebuild what went missing"
+        )
 
 
 # == publish =======================================================================================

@@ -1827,26 +1827,29 @@ def _wrong_kinds(conn: sqlite3.Connection) -> list[str]:
     return out
 
 
-def catalog_file_problems(path: Path) -> list[str]:
-    """Why the catalog file at ``path`` cannot be used (empty if it can), read-only.
+def catalog_file_problems(path: Path, access: Access | None = None) -> list[str]:
+    """Why the catalog file at ``path`` cannot be used (empty if it can), read-only (``access``:
+    :func:`read_only_access` by default; ``IMMUTABLE`` for a file nobody changes, as a bucket's
+    downloaded catalog version).
 
-    SQLite's ``quick_check`` finds damaged pages; a catalog that opens but lacks a table or a
-    column (edited by hand, or another program's database) is named too, before anything runs a
-    query on it that would fail halfway.
+    SQLite's ``quick_check`` finds damaged pages (one line for them all); a catalog that opens
+    but lacks a table or a column (edited by hand, or another program's database) is named too,
+    before anything runs a query on it that would fail halfway.
 
     Raises:
         StoreError: the disk refused a write reading it needs (a WAL catalog's shared-memory
             file on a full disk): that says nothing of the file, which must not be rebuilt.
     """
     try:
-        conn = open_sqlite(path, read_only_access(path), timeout=10)
+        conn = open_sqlite(path, access or read_only_access(path), timeout=10)
     except sqlite3.Error as e:
         return _unreadable(path, e)
     conn.text_factory = lambda b: b.decode("utf-8", "replace")  # damaged pages hold any bytes
     try:
         (res,) = conn.execute("PRAGMA quick_check").fetchone()
-        if res != "ok":
-            return [f"damaged: {res}"]
+        if res != "ok":  # a line per problem, under a "*** in database main ***" head
+            found = [line.strip() for line in res.splitlines() if not line.startswith("***")]
+            return [f"damaged: {'; '.join(filter(None, found))[:300]}"]
         return _schema_problems(conn)
     except (sqlite3.Error, ValueError) as e:
         return _unreadable(path, e)

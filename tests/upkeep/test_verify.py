@@ -42,7 +42,7 @@ from featbake.upkeep import (
 )
 from featbake.upkeep.check import check_hash_cache
 from tests.conftest import invoke, live_features
-from tests.helpers import Live, assert_serves, bake, fails_after, manifest, shard_files
+from tests.helpers import Live, assert_serves, bake, fails_after, manifest, printed, shard_files
 
 
 def _flip_data_byte(path: Path, tensor: str) -> None:
@@ -476,6 +476,28 @@ def test_a_catalog_whose_index_disagrees_with_its_table_is_rebuilt_by_repair(
         assert c.execute("PRAGMA integrity_check").fetchone() == ("ok",)
     assert fixed.features_lost == 0  # every shard is sound: the rebuild indexes them all
     assert assert_serves(store_dir, report.root, audio_dir, encoder_file, live) == 16
+
+
+def test_a_catalog_page_with_several_damaged_cells_is_named_in_one_line(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    """``quick_check`` says one line per damaged cell, under a ``*** in database main ***``
+    head: ``verify`` printed them as they came, over several lines. Now one line names them
+    (as a bucket's downloaded catalog version already did: one check serves both)."""
+    bake(audio_dir, encoder_file, store_dir)
+    catalog = store_dir / "catalog.sqlite"
+    with closing(sqlite3.connect(catalog)) as c:
+        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        ((root,),) = c.execute("SELECT rootpage FROM sqlite_schema WHERE name='features_shard'")
+    raw = bytearray(catalog.read_bytes())
+    raw[(root - 1) * 4096 + 8 : root * 4096] = bytes(4096 - 8)  # every cell's offset zeroed
+    catalog.write_bytes(bytes(raw))
+    proc = invoke("verify", "--cache", store_dir)
+    lines = [
+        line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if "damaged:" in line
+    ]
+    assert len(lines) == 1 and lines[0].count("On tree page") > 1, printed(proc)
+    assert "***" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("version", ["\x00", "three", "3.5"])
