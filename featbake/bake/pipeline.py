@@ -585,6 +585,20 @@ class BuildEncoder:
             self.loaded = loaded
         return self.loaded
 
+    def state(self) -> FileStat | str | None:
+        """What the encoder's file (a stat) or folder (its state) was when its fingerprint was
+        found or made here; None where none stands for it (a module, a changed file). An
+        engine's worker on this host that loads the file in that state trusts the fingerprint
+        without hashing the weights again (:class:`EngineJob`'s ``encoder_state``). A loaded
+        file's stat stands for it only past the racy window (a file rewritten within its
+        stamps' tick keeps its stat), and a loaded folder's not at all: its worker hashes."""
+        if self.loaded is None:
+            return self.known_state  # a cached fingerprint's: trusted past the racy window
+        seen = self.loaded.loaded_from
+        if self.loaded.folder_state is not None or seen is None or seen.stat.racy(seen.taken_ns):
+            return None
+        return seen.stat
+
     def _check_same_encoder(self, loaded: LoadedEncoder) -> None:
         """Raise unless ``loaded``'s weights give the fingerprint the build keys by."""
         if loaded.fingerprint != self.known_fp:
@@ -915,7 +929,7 @@ class _Bake:
         return EngineJob(
             self.layout, root, self.enc.kind, self.enc.spec, self.enc.weights,
             self.enc.trust_pickle, elsewhere.device, self.recipe, self.runs, opts, data,
-            self.column,
+            self.column, encoder_state=self.enc.state(),
         )  # fmt: skip
 
     def put_derived(
@@ -1116,6 +1130,10 @@ class EngineJob:
     #: The items are stored already, from padded batches another worker's check found
     #: inexact: each is encoded again alone, whatever this build's fragments name.
     redo: bool = False
+    #: The encoder file's stat (or folder's state) the driver's fingerprint stands for
+    #: (:meth:`BuildEncoder.state`): a worker on the driver's host that loads it unchanged
+    #: skips hashing its weights; elsewhere (or None) the worker hashes them.
+    encoder_state: FileStat | str | None = None
 
     def sent_protocol(self) -> object:
         """The engine protocol of the driver that made this job, read from its own state: a
@@ -1397,6 +1415,7 @@ class PartEncoder:
         enc = BuildEncoder(
             job.encoder, job.weights, dev, job.trust_pickle, job.recipe, job.root.encoder_label,
             job.encoder_kind, known_fp=job.root.encoder_fp,
+            known_state=job.encoder_state if job.driver_host == this_host() else None,
         )  # fmt: skip
         source = place.source(source_for(job.recipe))
         opts, runs = job.options, job.runs

@@ -945,7 +945,8 @@ def encode(  # noqa: PLR0913  (public API: one keyword per option, as in build()
     options = BakeOptions(batch_size, 0, on_gpu=num_gpus > 0)
     runs = RunnerSpec("auto", batch_size, budget_samples(recipe, None, None))
     job = EngineJob(layout, root, enc.kind, encoder, weights, trust_pickle,
-                    "cuda" if num_gpus > 0 else "cpu", recipe, runs, options, None)  # fmt: skip
+                    "cuda" if num_gpus > 0 else "cpu", recipe, runs, options, None,
+                    encoder_state=enc.state())  # fmt: skip
     engine = RayEngine(workers, num_gpus)
     items, total = _encode_rows(ds, job, engine, column, id_column)
     if (twice := repeated_id(items)) is not None:

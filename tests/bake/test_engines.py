@@ -592,3 +592,33 @@ def test_an_encoder_file_replaced_after_its_key_was_taken_is_refused_at_its_load
     os.replace(other, path)  # replaced between the key's lookup and the load
     with pytest.raises(EncoderLoadError, match="changed while this build ran"):
         named.load()
+
+
+@pytest.mark.parametrize(("worker_host", "hashed"), [(None, 0), ("node-2", 1)])
+def test_a_worker_on_the_drivers_host_trusts_its_fingerprint_of_the_unchanged_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, worker_host: str | None, hashed: int
+) -> None:
+    """Each engine worker hashed the checkpoint's weights at its load (r18.13's check), even
+    on the driver's host, where the file's stat is the one the driver's fingerprint stands
+    for. The job now carries that stat: a worker there that loads the file unchanged skips
+    the hash; on another host it still hashes (and the features are the encoder's)."""
+    from featbake.testing import TinyConvEncoder, save_torchscript
+
+    path = save_torchscript(TinyConvEncoder(seed=0), tmp_path / "enc.pt")
+    wait_past_racy(tmp_path)
+    write_audio_folder(tmp_path / "audio", 2)
+    if worker_host is not None:  # the worker's host; the job names the driver's, made before
+        monkeypatch.setattr(pipeline, "this_host", lambda: worker_host, raising=False)
+    checks: list[str] = []
+    real = BuildEncoder._check_same_encoder
+
+    def hashed_weights(self: BuildEncoder, loaded: object) -> None:
+        checks.append(self.label)
+        real(self, loaded)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(BuildEncoder, "_check_same_encoder", hashed_weights)
+    store = tmp_path / "store"
+    report = build(tmp_path / "audio", path, cache=store, engine=InProcess())  # type: ignore[arg-type]
+    assert (report.encoded, report.failed, len(checks)) == (2, [], hashed)
+    for rel, parts in stored_features(store, report.root).items():
+        torch.testing.assert_close(parts[""], live_features(path, tmp_path / "audio" / rel))
