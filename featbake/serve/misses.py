@@ -53,7 +53,7 @@ from featbake.recipe import Recipe
 from featbake.serve.cached_encoder import ModuleWatch, shared_watch
 from featbake.serve.index import Index
 from featbake.serve.reads import Reads
-from featbake.serve.state import ProcessState, owned_parts, pending_in_process
+from featbake.serve.state import ProcessState, kept_copy, owned_parts, pending_in_process
 from featbake.store.byteplace import bytes_at
 from featbake.store.catalog import Catalog, ServingStore
 from featbake.store.features import Parts
@@ -926,9 +926,9 @@ class Misses:
             out[i] = unpack(owned_parts(parts))
             if self.write_back:
                 self.store(st, i, parts, owned=True)
-        if st.use_lru:
+        if st.use_lru:  # a copy of the tier's own: the caller may edit what it is served
             for i in idx:
-                st.lru.put(i, out[i])
+                st.lru.put(i, kept_copy(out[i]))
         return [out[i] for i in idx]
 
     def encode(self, st: ProcessState, idx: list[int]) -> list[Parts]:

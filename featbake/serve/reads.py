@@ -494,6 +494,26 @@ class _Plan(NamedTuple):
     dtype: torch.dtype
 
 
+def apart_from(value: Any, kept: Any, alloc: Callable[..., torch.Tensor]) -> Any:
+    """``value`` (a tensor, or a dict of parts) with each tensor that shares memory with one
+    of ``kept``'s copied into a buffer from ``alloc``; the others (dequantised into memory of
+    their own) as they are."""
+    held = {t.untyped_storage().data_ptr() for t in _tensors(kept)}
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in held:
+            return t
+        return alloc(tuple(t.shape), t.dtype).copy_(t)
+
+    if isinstance(value, torch.Tensor):
+        return own(value)
+    return {name: own(t) for name, t in value.items()}
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [value] if isinstance(value, torch.Tensor) else list(value.values())
+
+
 def _owned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A buffer the caller owns (``mapped_empty``'s signature: the RAM tier's is mapped)."""
     return torch.empty(shape, dtype=dtype)
@@ -632,7 +652,7 @@ class Reads:
             value = st.lru.get(i)
             if value is not None:
                 st.touch(i)
-                return self.as_served(value)
+                return self.served_apart(st, value)
         sid = int(self.index.shard[i])
         if sid < 0:
             return None
@@ -645,14 +665,25 @@ class Reads:
             value, served = self.relocate(st, i), False
             if value is None:
                 return None
-        if st.use_lru:
-            st.lru.put(i, value)
         st.touch(i)
+        if st.use_lru:  # read into the tier's own mapping (served is False: kept as stored)
+            st.lru.put(i, value)
+            return self.served_apart(st, value)
         return value if served else self.as_served(value)
 
     def as_served(self, value: Any) -> Any:
         """A stored value as the dataset serves it (int8/fp8 dequantised)."""
         return value if self.served is None else self.served.item(value)
+
+    def served_apart(self, st: ProcessState, kept: Any) -> Any:
+        """The RAM tier's value ``kept`` as served, in memory of the caller's own: a tensor
+        served as kept (a float store's, or packed with ``dequantize=False``) is copied (into
+        shared memory in a DataLoader worker, which sends it as it is).
+
+        Before, the tier's own tensor was served: a training step that edited its item in
+        place (``x -= x.mean()``, with ``collate_fn=list`` or ``ds[i]``) changed what every
+        later read of that item served, the rest of the run."""
+        return apart_from(self.as_served(kept), kept, _shared if st.in_worker else _owned)
 
     def _item_held(self, st: ProcessState, i: int, sid: int, held: Leases) -> tuple[Any, bool]:
         """Item ``i`` read from shard ``sid`` (its readers leased into ``held``), and whether it

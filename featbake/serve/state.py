@@ -170,6 +170,14 @@ def mapped_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).reshape(shape)
 
 
+def kept_copy(value: Any) -> Any:
+    """A copy of ``value`` (a tensor, or a dict of parts) for the RAM tier to keep, each in
+    its own mapping (:func:`mapped_empty`): what was served from ``value`` stays the caller's."""
+    if isinstance(value, Mapping):
+        return {name: kept_copy(t) for name, t in value.items()}
+    return mapped_empty(tuple(value.shape), value.dtype).copy_(value)
+
+
 def resident_bytes(value: Any) -> int:
     """What a RAM-tier entry really occupies: mapped entries take whole pages."""
     if isinstance(value, Mapping):

@@ -181,6 +181,37 @@ def test_a_miss_edited_in_place_by_the_caller_is_never_stored_or_served_edited(
     assert ok.cache_info().encoded == 0  # read from the store, as stored
 
 
+def test_what_the_ram_tier_serves_is_the_callers_own(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """The RAM tier kept the very tensor it served, from a store read, a miss encoded live
+    or a hit: a step that normalised its item in place (``ds[i]``, or a loader with
+    ``collate_fn=list``) changed what every later read of that item served, the rest of the
+    run (the first reads of an epoch of 8 edited in place: all 8 wrong in the next). What is
+    served is now the caller's own; the tier keeps a copy."""
+    from featbake.serve.loader import FeatureLoader
+    from tests.helpers import Live
+
+    build(audio_dir / "fixed", encoder_file, cache=store_dir, workers=0)  # 4 of 16 stored
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, ram_cache="64MiB")
+    live = Live()
+    want = [live(encoder_file, Path(ds.path(i))) for i in range(len(ds))]
+    stored = [i for i in range(len(ds)) if "fixed" in ds.path(i)]
+    for i in (stored[0], 0 if stored[0] else 1):  # a store read, then a miss encoded live
+        for _ in range(3):  # read from the store (or encoded), then twice from the tier
+            value = ds[i]
+            torch.testing.assert_close(value, want[i])
+            value.sub_(value.mean()).mul_(0)  # the caller's own edit
+    loader = FeatureLoader(ds, batch_size=8, shuffle=False, collate_fn=list)
+    for _epoch in range(2):
+        for batch in loader:
+            for value in batch:
+                value.mul_(0)
+    assert ds.cache_info().hits > 0
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], want[i])
+
+
 class _Tallying(torch.nn.Module):
     """TinyConvEncoder's forward, counting its calls in a plain attribute and the samples it
     saw in a buffer it replaces (a module's own bookkeeping while it runs, as a cache of
