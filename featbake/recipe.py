@@ -276,6 +276,14 @@ class Recipe:
 
         return torch.float32 if self.scheme is not None else self.torch_dtype
 
+    def encoded(self, value: torch.Tensor) -> torch.Tensor:
+        """An encoder output part on the CPU as it is taken before storing: a float part in
+        :attr:`encode_dtype`; an integer or bool part (lengths, a mask) as it is, its values
+        exact (``float16`` held 32,792 as 32,800 and a mask as 1.0)."""
+        if not (value.is_floating_point() or value.is_complex()):
+            return value.detach().to("cpu")
+        return value.detach().to("cpu", self.encode_dtype)
+
     def as_dict(self) -> dict[str, Any]:
         """The fields that define the output, with featbake's recipe version.
 

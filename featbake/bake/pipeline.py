@@ -964,7 +964,7 @@ class _Bake:
         also measures int8/fp8 fidelity on the same sample a build of that dtype measures)."""
         if not source.how.convert:
             return dict(parts)
-        as_output = {n: v.to(self.recipe.encode_dtype) for n, v in parts.items()}
+        as_output = {n: self.recipe.encoded(v) for n, v in parts.items()}
         if not self.options.allow_nonfinite and nonfinite_part(as_output) is not None:
             return None  # e.g. past float16's range: encoded, and failed, as such a build does
         try:

@@ -14,7 +14,7 @@ import os
 import time
 import warnings
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -179,10 +179,11 @@ def split_lengths_result(result: Any, rows: int) -> tuple[Any, torch.Tensor]:
 def trim_rows(
     named: Mapping[str, torch.Tensor],
     out_lengths: torch.Tensor,
-    dtype: torch.dtype,
+    encoded: Callable[[torch.Tensor], torch.Tensor],
     whole: frozenset[str] = frozenset(),
 ) -> list[dict[str, torch.Tensor]]:
-    """Each row's parts cut to its own output length, on the CPU in ``dtype``, own storage.
+    """Each row's parts cut to its own output length, on the CPU as ``encoded`` takes them
+    (:meth:`Recipe.encoded`: float parts in the encode dtype), own storage.
 
     Parts named in ``whole`` hold one row per input (a pooled vector): each row is kept whole.
 
@@ -194,7 +195,7 @@ def trim_rows(
     out: list[dict[str, torch.Tensor]] = [{} for _ in range(rows)]
     for part, value in named.items():
         if part in whole and value.dim() >= 1 and value.shape[0] == rows:
-            value = value.detach().to("cpu", dtype)
+            value = encoded(value)
             for i in range(rows):
                 out[i][part] = value[i].clone()
             continue
@@ -203,7 +204,7 @@ def trim_rows(
                 f"encoder output {part or 'tensor'} has shape {tuple(value.shape)}; the lengths "
                 f"protocol needs [{rows}, T', ...] with T' >= {max(lengths)} (the out_lengths)"
             )
-        value = value.detach().to("cpu", dtype)
+        value = encoded(value)
         for i, n in enumerate(lengths):
             out[i][part] = value[i, :n].clone()  # own storage: a slice would pin the whole batch
     return out

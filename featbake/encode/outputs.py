@@ -154,7 +154,7 @@ def encode_batch(
                 f"encoder output {part or 'tensor'} has shape {tuple(value.shape)}, expected a "
                 f"leading batch dimension of {len(inputs)}"
             )
-        value = value.detach().to("cpu", recipe.encode_dtype)
+        value = recipe.encoded(value)
         # Own storage: a slice would pin the whole batch. Not an inference tensor: the module's
         # own (a buffer it returns), which it may change later.
         view = not own_rows and value.is_inference()
@@ -191,7 +191,7 @@ def encode_padded(
     whole = encoder.whole_parts
     if recipe.output is not None:  # the one part kept is stored under ""
         whole = frozenset({""}) if recipe.output in whole else frozenset()
-    return trim_rows(named, out_lengths, recipe.encode_dtype, whole)
+    return trim_rows(named, out_lengths, recipe.encoded, whole)
 
 
 def split_outputs(result: Any, output: str | None) -> dict[str, torch.Tensor]:
@@ -228,9 +228,11 @@ def stored_parts(parts: Mapping[str, torch.Tensor], recipe: Recipe) -> dict[str,
     The one step from encoder output to stored tensor, shared by the build, a dataset's misses
     and ``CachedEncoder``, so that every writer stores the same bytes for the same output.
 
+    An integer or bool part (lengths, a mask) is stored as it is under a float dtype.
+
     Raises:
         EncodeError: a part holds NaN or an infinity and the dtype is quantised.
-        ConfigError: a part is a scalar and the dtype is quantised.
+        ConfigError: a part is a scalar, or not a float, and the dtype is quantised.
 
     Example:
         >>> stored_parts({"": torch.ones(2, 3)}, Recipe(dtype="int8"))[""].shape
@@ -238,5 +240,14 @@ def stored_parts(parts: Mapping[str, torch.Tensor], recipe: Recipe) -> dict[str,
     """
     scheme = recipe.scheme
     if scheme is None:  # a no-op in the build, whose outputs are already in this dtype
-        return {name: value.to(recipe.torch_dtype) for name, value in parts.items()}
+        return {name: recipe.encoded(value) for name, value in parts.items()}
+    exact = [name for name, value in parts.items() if not value.is_floating_point()]
+    if exact:
+        value = parts[exact[0]]
+        raise ConfigError(
+            f"the encoder's output {exact[0] or 'tensor'!r} holds {value.dtype} values, which "
+            f"{recipe.dtype} storage cannot keep exact (it quantises floats only); store them "
+            "with dtype float16 or float32 (--dtype / dtype=), or keep one float output "
+            "(--output / output=)"
+        )
     return {name: quantize(value, scheme) for name, value in parts.items()}

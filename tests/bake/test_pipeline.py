@@ -761,3 +761,45 @@ def test_a_rebuild_that_gc_raced_before_its_manifest_encodes_what_gc_deleted(
     assert report.encoded == 16 and report.reused == 0
     monkeypatch.setattr(Catalog, "present_keys", asked)
     assert assert_serves(store, report.root, audio_dir, encoder_file, Live()) == 16
+
+
+class _CountsAndMask(torch.nn.Module):
+    """Features, each row's sample count plus 32,791 (exact in int64, not in float16) and a
+    bool mask: the outputs of an encoder that reports lengths and padding with its features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(1, 4)
+
+    def forward(self, wav: torch.Tensor) -> dict[str, torch.Tensor]:
+        counts = (wav != 0).sum(-1) + 32_791
+        return {"feats": self.proj(wav[:, :64, None]), "n": counts, "mask": wav[:, :5] > 0}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8"])
+def test_integer_and_bool_outputs_are_stored_exact_whatever_the_float_dtype(
+    tmp_path: Path, dtype: str
+) -> None:
+    """A build with ``--dtype float16`` cast every output part to float16: a length of
+    36,809 was stored as 36,800 (bfloat16: 36,864) and a mask as 1.0. Integer and bool
+    parts are now stored as they are; int8, which quantises floats, refuses them in one line
+    (it rounded them too)."""
+    write_audio_folder(tmp_path / "audio", 3, seconds=(0.2, 0.4), seed=4)
+    encoder = _CountsAndMask().eval().requires_grad_(False)
+    recipe = Recipe(dtype=dtype)
+    store = tmp_path / "store"
+    if dtype == "int8":
+        with pytest.raises(ConfigError, match=r"'n' holds torch\.int64 values, which int8"):
+            build(tmp_path / "audio", encoder, cache=store, recipe=recipe, workers=0)
+        return
+    report = build(tmp_path / "audio", encoder, cache=store, recipe=recipe, workers=0)
+    assert (report.encoded, report.failed) == (3, [])
+    got = stored_features(store, report.root)
+    for rel, parts in got.items():
+        wav = source_for(recipe).load(tmp_path / "audio" / rel)
+        with torch.inference_mode():
+            want = encoder(wav.unsqueeze(0))
+        assert parts["n"].dtype == torch.int64 and parts["mask"].dtype == torch.bool
+        assert torch.equal(parts["n"], want["n"][0]) and torch.equal(parts["mask"], want["mask"][0])
+        assert parts["feats"].dtype == recipe.torch_dtype
+        torch.testing.assert_close(parts["feats"], want["feats"][0].to(recipe.torch_dtype))
