@@ -41,7 +41,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from featbake.encode.encoders import is_frozen, module_device, refuse_held_tensors, refuse_meta
+from featbake.encode.encoders import (
+    is_frozen,
+    module_device,
+    refuse_held_tensors,
+    refuse_meta,
+    training_submodule,
+)
 from featbake.encode.identity import (
     GLOBAL_HOOKS,
     HOOK_DICTS,
@@ -110,7 +116,7 @@ def row_digest(row: torch.Tensor) -> str:
     t = row.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
+    t = t.resolve_conj().resolve_neg().contiguous()  # a lazy conjugate view has no bytes yet
     h = hashlib.sha256(f"row\0{t.dtype}\0{list(t.shape)}\0".encode())
     h.update(tensor_buffer(t))
     return h.hexdigest()
@@ -1206,8 +1212,83 @@ def shared_watch(module: nn.Module, identity: str | None = None) -> ModuleWatch:
 CACHED_ENCODER_RECIPE = {"kind": "cached-encoder", "version": 1}
 
 
+def refuse_call(x: Any, args: Sequence[Any], kwargs: Mapping[str, Any], ids: Any) -> None:
+    """Refuse a :meth:`CachedEncoder.forward` call it cannot key (see there).
+
+    Raises:
+        ConfigError: what is wrong with the call, and what to do.
+    """
+    if args or kwargs:
+        given = [f"{len(args)} more positional" if args else "", ", ".join(kwargs)]
+        raise ConfigError(
+            f"CachedEncoder passes one input batch to the encoder, and was given "
+            f"{' and '.join(g for g in given if g)} argument(s): the output would depend on "
+            "what its keys do not name. Pass ids by name (ids=...); wrap an encoder of several "
+            "inputs (a mask, lengths) in a module taking one tensor, or call it uncached"
+        )
+    if not isinstance(x, torch.Tensor):
+        raise ConfigError(
+            f"CachedEncoder takes one tensor batch (rows along its first dimension), got "
+            f"{type(x).__name__}; wrap an encoder of other inputs in a module taking one tensor"
+        )
+    if isinstance(ids, (str, bytes)):
+        raise ConfigError(
+            f"ids is one {type(ids).__name__} ({ids[:40]!r}), which would be read as one id per "
+            "character; give a list of one id per row"
+        )
+
+
+def autocast_now(device: torch.device) -> torch.dtype | None:
+    """The dtype ambient autocast runs ops on ``device`` in (None: autocast is off there)."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
+def held_trainable(module: nn.Module) -> list[str]:
+    """Names of the tensors ``module`` holds outside its parameters (buffers, plain tensor
+    attributes and those in lists, tuples and dicts) that require grad: a learned prompt kept
+    as a plain tensor, which a cached row would drop from the graph."""
+    found = []
+    for name, sub in module.named_modules():
+        for attr, value in vars(sub).items():
+            if attr in ("_parameters", "_modules"):
+                continue
+            if isinstance(value, Mapping):  # _buffers among them
+                held = list(value.values())
+            else:
+                held = list(value) if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in held):
+                found.append(f"{name}.{attr}" if name else attr)
+    return found
+
+
+def refuse_uneven_rows(rows: Sequence[Mapping[str, torch.Tensor]], names: Sequence[str]) -> None:
+    """Refuse rows of one call whose outputs differ in shape (they cannot form one batch).
+
+    Raises:
+        EncodeError: which part, the shapes, and the likely causes.
+    """
+    for name in names:
+        shapes = {tuple(r[name].shape) for r in rows}
+        if len(shapes) > 1:
+            raise EncodeError(
+                f"CachedEncoder's rows for output {name or 'tensor'} have shapes "
+                f"{sorted(shapes)[:3]}, which do not make one batch: a row cached from another "
+                "call's shape (an id given to inputs padded differently: an id must name one "
+                "input, its padding included), or an encoder whose rows depend on their batch "
+                "(key such rows by their bytes: no ids)"
+            )
+
+
 def _split(result: Any, batch: int) -> dict[str, torch.Tensor]:
     """The encoder's per-row outputs by part name (the store's one naming rule)."""
+    if isinstance(result, Mapping) and (odd := [k for k in result if not isinstance(k, str)]):
+        raise EncodeError(
+            f"CachedEncoder needs dict outputs named by strings; the encoder's output has the "
+            f"key {odd[0]!r} ({type(odd[0]).__name__}), which it would hand back as a string "
+            "(or lose beside the same name); rename the outputs"
+        )
     if isinstance(result, Mapping) and (
         is_tuple_parts([str(k) for k in result]) or any(not str(k) for k in result)
     ):
@@ -1346,6 +1427,7 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         self._dev: ByteLRU[str, Any] = ByteLRU(parse_bytes(device_cache))
         self._recipe, self._served = stored_dtype(dtype, serve_dtype)
         spec = CACHED_ENCODER_RECIPE if dtype is None else {**CACHED_ENCODER_RECIPE, "dtype": dtype}
+        self._recipe_spec = spec
         self._recipe_fp = recipe_fingerprint(spec)
         self._watch = ModuleWatch(encoder, check_weights=check_weights)
         self._clock = clock
@@ -1390,6 +1472,17 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         """The wrapped encoder's fingerprint (recomputed whenever the encoder changed)."""
         return self._watch.fingerprint()
 
+    def _recipe_fp_under(self, autocast: torch.dtype | None) -> str:
+        """The recipe fingerprint of a call run under ``autocast`` (its dtype; None: off).
+
+        Ambient autocast changes every output (a bfloat16 result from a float32 encoder), so
+        its dtype is part of the keys: before, rows encoded under ``torch.autocast`` were
+        served to plain calls, in bfloat16, and the other way round."""
+        if autocast is None:
+            return self._recipe_fp  # the keys every call without autocast always had
+        spec = {**self._recipe_spec, "autocast": str(autocast).removeprefix("torch.")}
+        return recipe_fingerprint(spec)
+
     def cache_info(self) -> dict[str, CacheInfo | int]:
         """Counters: RAM and device tiers, store hits, rows encoded."""
         return {"ram": self._ram.info(), "device": self._dev.info(), **self.stats}
@@ -1401,14 +1494,23 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         handed_over_sealed()  # and what dropped ones handed to the sealing thread
 
     # -- forward ------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, ids: Sequence[Any] | None = None) -> Any:
+    def forward(
+        self, x: torch.Tensor, *args: Any, ids: Sequence[Any] | None = None, **kwargs: Any
+    ) -> Any:
         """``encoder(x)``, from the cache for the rows that were encoded before.
 
+        Only ``x`` reaches the encoder, and ``ids`` is named (``ids=``): a second argument (an
+        attention mask, lengths) would change the output without changing its key, so it is
+        refused, never passed over or taken as the ids.
+
         Raises:
-            ConfigError: ``ids`` does not have one entry per row, or an id of a type that has
-                no exact content.
-            EncodeError: the encoder's output has no per-row batch dimension.
+            ConfigError: another argument than ``x`` and ``ids``; ``x`` not a tensor; ``ids``
+                one string, or not one entry per row, or an id of a type that has no exact
+                content.
+            EncodeError: the encoder's output has no per-row batch dimension, or rows of one
+                call have outputs of different shapes.
         """
+        refuse_call(x, args, kwargs, ids)
         why = self._stand_aside_reasons(x)
         if why != self._warned_for:
             # Said once per state, and again whenever what keeps it off changes: after .eval()
@@ -1429,7 +1531,8 @@ class CachedEncoder(ProcessLocalState, nn.Module):
                 return self.encoder(x)
         enc_fp = self.fingerprint()
         digests = [id_digest(i) for i in ids] if ids is not None else [row_digest(r) for r in x]
-        keys = [feature_key(enc_fp, self._recipe_fp, d) for d in digests]
+        recipe_fp = self._recipe_fp_under(autocast_now(module_device(self.encoder) or x.device))
+        keys = [feature_key(enc_fp, recipe_fp, d) for d in digests]
         rows, todo = self._lookup(keys)
         out_device: torch.device | None = None
         if todo:
@@ -1493,13 +1596,21 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         reasons = []
         if not self.enabled:
             reasons.append("enabled=False")
-        if self.encoder.training:
-            reasons.append("the encoder is in training mode (call .eval() on it)")
+        training = training_submodule(self.encoder)
+        if training is not None:  # dropout in one submodule makes every call differ
+            reasons.append(f"the encoder is in training mode: {training} (call .eval() on it)")
         trainable = sum(p.requires_grad for p in self.encoder.parameters())
         if trainable:
             reasons.append(
                 f"{trainable} encoder parameters require grad (call .requires_grad_(False) "
                 "on it; .eval() alone does not)"
+            )
+        held = held_trainable(self.encoder)
+        if held:
+            reasons.append(
+                f"the encoder holds tensors outside its parameters that require grad "
+                f"({', '.join(held[:3])}), and cached rows would not carry their gradient "
+                "(detach them, or register them as parameters and freeze them)"
             )
         if x.requires_grad and torch.is_grad_enabled():
             reasons.append(
@@ -1523,6 +1634,7 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         # keeps each row as it reached the device, never a slice of the batch handed back (a
         # caller's in-place edit of its batch changed what later calls were served).
         moved = [{n: r[n].to(device, non_blocking=True) for n in names} for r in rows]  # type: ignore[index]
+        refuse_uneven_rows(moved, names)
         stored = {name: torch.stack([m[name] for m in moved]) for name in names}
         if self._dev.max_bytes and device.type != "cpu":
             for j, key in enumerate(keys):

@@ -30,6 +30,7 @@ from featbake.encode.encoders import (
     module_device,
     refuse_held_tensors,
     refuse_meta,
+    training_submodule,
 )
 from featbake.encode.fingerprints import (
     cached_file_encoder_fp,
@@ -699,69 +700,6 @@ def weight_dtypes(module: Any) -> tuple[str, ...]:
         return ()
     tensors = chain(module.parameters(), module.buffers())
     return tuple(sorted({str(t.dtype) for t in tensors if t.is_floating_point()}))
-
-
-#: Where the classes of the submodules torch's graph machinery adds to a graph come from
-#: (``torch.export``'s ``_guards_fn``): they compute nothing of the output and have no mode.
-GRAPH_MACHINERY = ("torch.export.", "torch.fx.")
-
-
-def training_submodule(module: Any) -> str | None:
-    """The first part of ``module`` that runs in train mode, named (None: all in eval mode).
-
-    A module is judged by ``.training``, but a ``torch.fx.GraphModule`` (what
-    ``torch.export``'s ``ep.module()`` returns) by its graph: export fixes the mode each op runs
-    in when it traces, and torch sets ``.training`` on the module it returns whatever that mode
-    was (``.eval()`` on it raises). So its ops that take a ``train``/``training`` flag (dropout,
-    batch norm) are read, and each submodule it calls is judged by the same rule (torch's
-    own, :data:`GRAPH_MACHINERY`, left out).
-
-    Example:
-        >>> training_submodule(torch.nn.Sequential(torch.nn.Dropout()).train())
-        "'Sequential' has .training set"
-    """
-    if not isinstance(module, torch.nn.Module):
-        return None
-    return _training_in(module, "", type(module).__name__)
-
-
-def _training_in(module: torch.nn.Module, name: str, top: str) -> str | None:
-    """:func:`training_submodule` of ``module``, named ``name`` inside the module ``top``."""
-    if isinstance(module, torch.fx.GraphModule):
-        return _training_in_graph(module, name, top)
-    if module.training:
-        return f"{name or top!r} has .training set"
-    for child, sub in module.named_children():
-        found = _training_in(sub, f"{name}.{child}" if name else child, top)
-        if found is not None:
-            return found
-    return None
-
-
-def _training_in_graph(module: torch.fx.GraphModule, name: str, top: str) -> str | None:
-    """The first op of ``module``'s graph run in train mode, or submodule it calls that is."""
-    for node in module.graph.nodes:
-        if node.op == "call_module":
-            sub = module.get_submodule(str(node.target))
-            if type(sub).__module__.startswith(GRAPH_MACHINERY):
-                continue  # torch's own (export's input guards): no mode, .training always set
-            found = _training_in(sub, f"{name}.{node.target}" if name else str(node.target), top)
-            if found is not None:
-                return found
-        elif node.op == "call_function" and train_flag(node):
-            return f"{name or top!r} runs {node.target} with train=True in its graph"
-    return None
-
-
-def train_flag(node: torch.fx.Node) -> bool:
-    """Whether an op node of a graph is given ``train=True`` or ``training=True`` (an aten op
-    whose schema has such an argument: dropout, batch norm); False for any other node."""
-    schema = getattr(node.target, "_schema", None)
-    for i, argument in enumerate(getattr(schema, "arguments", ())):
-        if argument.name in ("train", "training"):
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-            return value is True
-    return False
 
 
 def encode_inputs(

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from featbake.encode.encoders import EXACT_TOLERANCE, LoadedEncoder
+from featbake.encode.encoders import EXACT_TOLERANCE, LoadedEncoder, training_submodule
 from featbake.encode.hf import recipe_for_encoder
 from featbake.encode.inputs import inputs_at
 from featbake.encode.sources import source_for
@@ -46,7 +46,6 @@ from featbake.serve.misses import (
     miss_source,
     recipe_differences,
     stored_builds,
-    training_submodule,
 )
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader

@@ -877,3 +877,137 @@ def test_a_cached_encoder_used_in_a_dataloader_worker_keeps_its_write_back(
     fresh = CachedEncoder(enc, cache=tmp_path / "store", ram_cache=0)
     fresh(x, ids=[f"row-{i}" for i in range(3)])
     assert fresh.cache_info()["hits_store"] == 3
+
+
+# == round nineteen: calls CachedEncoder cannot key, and states it must not cache ================
+class Masked(nn.Module):
+    """A linear encoder that takes an optional mask, zeroing masked-out features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.lin(x)
+        return y if mask is None else y * mask[:, None]
+
+
+def test_an_argument_beside_the_batch_is_refused_never_taken_as_ids(tmp_path: Path) -> None:
+    """``ce(x, mask)`` filled ``ids`` with the mask: the encoder ran without it, and another
+    batch with the same mask was served the first batch's rows. Only ``x`` and ``ids=`` are
+    taken; the rest, one string as ids and an input that is not a tensor are one line each."""
+    enc = frozen(Masked())
+    ce = CachedEncoder(enc, cache=tmp_path / "s")
+    x, mask = torch.randn(3, 8), torch.tensor([1.0, 0.0, 1.0])
+    for call in (lambda: ce(x, mask), lambda: ce(x, mask=mask), lambda: ce(x, ["a", "b", "c"])):
+        with pytest.raises(ConfigError, match="one input batch to the encoder"):
+            call()
+    with pytest.raises(ConfigError, match="one id per character"):
+        ce(x, ids="utt")
+    with pytest.raises(ConfigError, match="takes one tensor batch"):
+        ce({"input": x})  # type: ignore[arg-type]
+    assert ce.stats["encoded"] == 0
+    same(ce(x, ids=["a", "b", "c"]), enc(x))
+
+
+def test_rows_encoded_under_autocast_are_keyed_apart_from_plain_ones(tmp_path: Path) -> None:
+    """Ambient autocast was not in the keys: rows cached inside ``torch.autocast`` were served
+    to plain calls (bfloat16, off by 5e-3) and plain rows inside autocast. Each call's rows
+    now equal the encoder run now, in the same mode, across a new wrapper's store reads."""
+    enc = frozen(nn.Linear(64, 64))
+    x = torch.randn(4, 64)
+    ce = CachedEncoder(enc, cache=tmp_path / "s")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = ce(x[:2])
+        assert first.dtype == torch.bfloat16
+    plain = ce(x)  # two rows cached in bfloat16, two new: all four float32, as the encoder's
+    same(plain, enc(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        same(ce(x), enc(x))
+    ce.flush()
+    again = CachedEncoder(enc, cache=tmp_path / "s", ram_cache=0)
+    same(again(x), enc(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        same(again(x), enc(x))
+    assert again.stats["encoded"] == 0  # both modes found in the store
+
+
+def test_a_submodule_in_train_mode_or_a_trainable_held_tensor_stands_it_aside(
+    tmp_path: Path,
+) -> None:
+    """Only the top module's ``.training`` and its parameters were read: a dropout submodule
+    left in train mode had one random draw cached and served for ever, and a learned prompt
+    kept as a plain tensor lost its gradient (rows served detached). Both run uncached now,
+    with the warning naming what to change."""
+    net = frozen(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)))
+    net[1].train()
+    ce = CachedEncoder(net, cache=tmp_path / "s")
+    x = torch.randn(64, 8)
+    with pytest.warns(UserWarning, match="'1' has .training set"):
+        a = ce(x)
+    b = ce(x)
+    assert not torch.equal(a, b) and ce.stats["encoded"] == 0  # the encoder's own draws
+
+    class Prompted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.prompt = torch.zeros(8, requires_grad=True)  # trained, not a parameter
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x + self.prompt)
+
+    prompted = frozen(Prompted())
+    ce = CachedEncoder(prompted, cache=tmp_path / "p")
+    with pytest.warns(UserWarning, match=r"require grad \(prompt\)"):
+        out = ce(x)
+    out.sum().backward()
+    assert prompted.prompt.grad is not None and ce.stats["encoded"] == 0
+
+
+def test_rows_of_one_call_whose_outputs_differ_in_shape_are_one_featbake_error(
+    tmp_path: Path,
+) -> None:
+    """An id given to inputs padded differently stacked a cached row with a new one of
+    another length: ``RuntimeError: stack expects each tensor to be equal size``. It is an
+    ``EncodeError`` that says what an id must name."""
+    from featbake.errors import EncodeError
+
+    enc = frozen(TinyConvEncoder())
+    ce = CachedEncoder(enc, cache=tmp_path / "s")
+    ce(waves(1, 0.5), ids=["u1"])
+    longer = waves(2, 1.0, seed=5)
+    with pytest.raises(EncodeError, match="an id must name one input, its padding included"):
+        ce(longer, ids=["u1", "u2"])
+
+
+def test_a_conjugate_view_is_keyed_by_its_values_and_odd_output_keys_are_refused(
+    tmp_path: Path,
+) -> None:
+    """A lazy conjugate view (``z.conj()``) could not be keyed: ``torch.Tensor.view is not
+    supported for conjugate view tensors``; it is keyed by its values now. A dict output
+    keyed by a number came back keyed by a string, and ``{1: a, "1": b}`` lost one part: both
+    are refused in one line."""
+    from featbake.errors import EncodeError
+
+    class Magnitude(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, z: torch.Tensor) -> torch.Tensor:
+            return self.lin(torch.view_as_real(z.resolve_conj()).flatten(1))
+
+    enc = frozen(Magnitude())
+    ce = CachedEncoder(enc, cache=tmp_path / "s")
+    z = torch.randn(2, 4, dtype=torch.complex64)
+    same(ce(z), enc(z))
+    same(ce(z.conj()), enc(z.conj()))  # other values: another key, not z's rows
+    assert ce.stats["encoded"] == 4
+
+    class NumberKeys(nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[Any, torch.Tensor]:
+            return {1: x * 2, "1": x * 3}
+
+    with pytest.raises(EncodeError, match=r"key 1 \(int\)"):
+        CachedEncoder(NumberKeys().eval(), cache=tmp_path / "k")(torch.randn(2, 3))

@@ -18,9 +18,8 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from featbake.encode.encoders import EXACT_TOLERANCE
+from featbake.encode.encoders import EXACT_TOLERANCE, training_submodule
 from featbake.recipe import Recipe
-from featbake.serve.misses import training_submodule
 from featbake.serve.spot_check import (
     INPUTS_CHANGED,
     NOTHING_COMPARED,
