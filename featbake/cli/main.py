@@ -115,7 +115,11 @@ def _run(argv: list[str] | None) -> None:
         sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except typer.Abort:
+    except typer.Abort as e:
+        if isinstance(e.__cause__, EOFError):
+            # Click turns an EOFError raised anywhere in a command (a truncated gzip or pickle
+            # a library read) into Abort: it is that error, not the user's "aborted".
+            _exit_on_other_error(e.__cause__)
         console.print("[bold red]aborted")
         sys.exit(130)
     except Exception as e:

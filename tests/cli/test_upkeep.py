@@ -419,3 +419,23 @@ def test_an_export_refusal_is_one_line_without_torch(
         return
     assert len(ran.err) == 1 and said.format(**names) in ran.err[0], ran
     assert ran.out == [], ran
+
+
+def test_an_eof_error_inside_a_command_is_that_error_not_aborted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Click turns an ``EOFError`` raised anywhere in a command into its ``Abort``: a library
+    reading a truncated file (here a damaged bytecode file of zarr's, met while importing it)
+    made ``featbake export`` say ``aborted``, exit 130, as if the user had pressed Ctrl-C. It
+    is the internal error it is, in one line."""
+    import featbake.upkeep
+
+    def truncated(store: object) -> None:
+        raise EOFError("marshal data too short")
+
+    monkeypatch.setattr(featbake.upkeep, "stats", truncated)
+    (tmp_path / "store").mkdir()
+    r = invoke("stats", "--cache", tmp_path / "store")
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 1 and len(lines) == 1, (r.returncode, r.stderr)
+    assert "EOFError: marshal data too short" in lines[0] and "aborted" not in r.stderr
