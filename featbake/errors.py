@@ -80,6 +80,15 @@ class SourceError(FeatbakeError):
     exit_code = 8
 
 
+class ColumnMissing(SourceError):
+    """A manifest has rows and none holds the column named; ``columns``: those its first rows
+    hold (where a reader may look for the column a build named)."""
+
+    def __init__(self, message: str, columns: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.columns = columns
+
+
 class Terminated(FeatbakeError):
     """SIGTERM stopped the command (torchrun stopping the other ranks, SLURM, Kubernetes,
     docker); like Ctrl-C, everything sealed before it is kept and a rerun continues."""

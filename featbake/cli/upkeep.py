@@ -62,7 +62,7 @@ from featbake.image_recipe import describe_fields
 from featbake.units import counted, format_bytes, parse_bytes
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from featbake.store.catalog import Catalog
     from featbake.upkeep import GcPlan
@@ -841,8 +841,9 @@ def export(
     overwrite: Annotated[
         bool,
         typer.Option(
-            help="Replace OUT if it is an earlier export (never the store, the data a root was "
-            "built from, or a folder or file that is not this format's export)."
+            help="Replace OUT if it is an earlier featbake export (never the store, the data a "
+            "root was built from, or a folder or file that is not featbake's export of this "
+            "format, another program's Parquet table or Zarr store included)."
         ),
     ] = False,
     strict_rows: Annotated[
@@ -1006,12 +1007,7 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
             return inputs, set(inputs.scan(source_extensions(source)).inputs)
 
         try:
-            built = _built_column(root, column)
-            inputs, listed = opened(built)
-            if not _names_column(root, built):  # the build named a column the rows carry?
-                found = _built_column(root, built, _row_columns(inputs, listed))
-                if found != built:
-                    inputs, listed = opened(found)
+            inputs, listed = _opened_as_built(root, column, opened)
         except (FeatbakeError, OSError) as e:
             if strict:
                 raise ConfigError(
@@ -1038,6 +1034,35 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
         return RootData(lambda path: inputs.row(path) if path in listed else None, digests)
 
     return rows_for
+
+
+def _opened_as_built(
+    root: Any, column: str | None, opened: Callable[[str | None], tuple[Any, set[str]]]
+) -> tuple[Any, set[str]]:
+    """The root's data ``opened`` by the column its build named (:func:`_built_column`): the
+    one given, else the default, else one of the columns the rows carry that the root's name
+    says. Where the rows have no default column (a JSONL of ``wav`` rows built with ``--column
+    wav``), the columns they do have are tried: before, such an export left every row's
+    columns out and exported changed files' features as built.
+
+    Raises:
+        FeatbakeError, OSError: the data cannot be opened by any such column.
+    """
+    from featbake.errors import ColumnMissing
+
+    built = _built_column(root, column)
+    try:
+        inputs, listed = opened(built)
+    except ColumnMissing as e:
+        found = _built_column(root, built, e.columns)
+        if found == built:
+            raise
+        return opened(found)
+    if not _names_column(root, built):  # the build named a column the rows carry?
+        found = _built_column(root, built, _row_columns(inputs, listed))
+        if found != built:
+            return opened(found)
+    return inputs, listed
 
 
 def _inputs_not_in_files(inputs: Any, rels: Sequence[str]) -> dict[str, str]:

@@ -96,7 +96,7 @@ from featbake.encode.sources import (
     file_stat_or_none,
     span_problem,
 )
-from featbake.errors import ConfigError, SourceError
+from featbake.errors import ColumnMissing, ConfigError, SourceError
 from featbake.keys import item_digest
 from featbake.lru import ByteLRU
 from featbake.process import ProcessLocal, ProcessLocalState
@@ -833,13 +833,14 @@ class ColumnsSeen:
         """Refuse the manifest if it has rows and none holds the column.
 
         Raises:
-            SourceError: no row holds the column (the message lists the columns there are).
+            ColumnMissing: no row holds the column (the message lists the columns there are).
         """
         if self.found or not self.rows:
             return
         listed = ", ".join(self.names) or "none"
-        raise SourceError(
-            f"{where} has no column {self.column!r} in any row (columns: {listed}); {fix}"
+        raise ColumnMissing(
+            f"{where} has no column {self.column!r} in any row (columns: {listed}); {fix}",
+            tuple(self.names),
         )
 
 

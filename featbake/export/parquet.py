@@ -119,28 +119,40 @@ def check_destination(
     check_free(out, store, overwrite=overwrite, unfit=_not_a_file, sources=sources)
 
 
-def _not_a_file(path: Path) -> str | None:
+def _not_a_file(path: Path, finished: bool) -> str | None:
     if path.is_symlink() or path.is_dir():
         return (
             f"{path} is a folder or a link, not a Parquet file; choose another OUT "
             "(a file name such as feats.parquet)"
         )
-    if path.exists() and not _parquet_or_empty(path):
+    if path.exists() and not _own_or_empty(path, finished):
         return (
-            f"{path} is not a Parquet file; the export would replace it, so choose another OUT "
-            "(or remove that file yourself)"
+            f"{path} is not a Parquet file featbake exported; the export would replace it, so "
+            "choose another OUT (or remove that file yourself)"
         )
     return None
 
 
-def _parquet_or_empty(path: Path) -> bool:
-    """Whether ``path`` is empty or starts as a Parquet file (``PAR1``: an earlier export, or
-    one a killed export began)."""
+def _own_or_empty(path: Path, finished: bool) -> bool:
+    """Whether ``path`` is empty, or a featbake export: a whole Parquet file by its schema's
+    ``featbake`` metadata (another program's table is not replaced), and at ``OUT.partial``
+    (``finished`` False) also one a killed export began: a ``PAR1`` start, no footer yet."""
     try:
         with path.open("rb") as f:
-            return f.read(4) in (b"", b"PAR1")
+            head = f.read(4)
     except OSError:
         return False
+    if head == b"":
+        return True
+    if head != b"PAR1":
+        return False
+    import pyarrow.parquet as pq
+
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+    except (OSError, ValueError):  # no footer (pyarrow's ArrowInvalid is a ValueError)
+        return not finished
+    return b"featbake" in metadata
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, Location
 from featbake.store.features import ShardHandles
 from featbake.store.fidelity import QUANTISED
-from featbake.store.files import write_all
+from featbake.store.files import Taken, is_same_file, lock_taken, write_all
 from featbake.store.hash_cache import HashCache
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, open_catalog, resolve_root
@@ -1103,18 +1103,20 @@ def check_free(
     store: Path,
     *,
     overwrite: bool,
-    unfit: Callable[[Path], str | None],
+    unfit: Callable[[Path, bool], str | None],
     sources: Sequence[DataSource] = (),
 ) -> None:
     """Refuse a destination the export would delete wrongly: ``out`` or ``OUT.partial`` in the
     store (or holding it), the data a root was built from (``sources``: the same, or inside
     it: its next scan would find the export), one the format says is not its own (``unfit``:
-    why, or None), or ``out`` existing without ``overwrite``.
+    why, or None; told whether the path is ``out``, which only a finished featbake export of
+    the format may be, or ``OUT.partial``, which a killed one may have left), or ``out``
+    existing without ``overwrite``.
 
     Raises:
         ConfigError: with what to choose instead.
     """
-    for path in (out, out.with_name(out.name + ".partial")):
+    for path, finished in ((out, True), (out.with_name(out.name + ".partial"), False)):
         if inside_store(path, store):
             raise ConfigError(
                 f"{path} is, holds or lies inside the store {store}; export to a path outside it"
@@ -1125,7 +1127,7 @@ def check_free(
                     f"{path} is, holds or lies inside {source.data}, the data root "
                     f"{source.root} was built from; export to a path outside it"
                 )
-        if (why := unfit(path)) is not None:
+        if (why := unfit(path, finished)) is not None:
             raise ConfigError(why)
     if out.exists() and not overwrite:
         raise ConfigError(f"{out} exists; choose another OUT or pass --overwrite")
@@ -1135,6 +1137,38 @@ def inside_store(path: Path, store: Path) -> bool:
     """Whether ``path`` is, holds or lies inside the store folder ``store``."""
     path_r, store_r = path.resolve(), store.resolve()
     return path_r == store_r or store_r in path_r.parents or path_r in store_r.parents
+
+
+@contextlib.contextmanager
+def exporting_alone(out: Path) -> Iterator[None]:
+    """Hold ``OUT.lock`` (an OFD lock) while exporting to ``out``, removed after.
+
+    Two exports to one OUT at once each deleted the other's ``OUT.partial`` as a killed
+    export's: both could say "exported" and leave an OUT no reader opens. The second is now
+    refused in one line. A lock file removed by the export that held it while another process
+    opened it is taken again by name (:func:`~featbake.store.files.is_same_file`).
+
+    Raises:
+        ConfigError: another export to ``out`` holds the lock.
+    """
+    lock = out.with_name(out.name + ".lock")
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if lock_taken(fd) is Taken.HELD:
+            os.close(fd)
+            raise ConfigError(
+                f"another export to {out} is running (it holds {lock}); wait for it to end, "
+                "or choose another OUT"
+            )
+        if is_same_file(lock, fd):
+            break
+        os.close(fd)  # the export that held it ended and removed it: take the one there now
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            lock.unlink()
+        os.close(fd)
 
 
 def publish(partial: Path, out: Path) -> None:
@@ -1225,6 +1259,30 @@ def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export
         out = Path(os.path.abspath(out))
     if not out.name:
         raise ConfigError(f"OUT {out} is the filesystem's root; give a path such as feats.zarr")
+    if not out.parent.is_dir():  # no format makes it (zarr did: left behind a failed export)
+        raise ConfigError(
+            f"the folder {out.parent} of OUT does not exist; create it, or choose an OUT in a "
+            "folder that exists"
+        )
+    with exporting_alone(out):
+        return _export_alone(fmt, out, started, cache, root, overwrite, output, layers,
+                             rows_for, progress, strict_rows)  # fmt: skip
+
+
+def _export_alone(  # noqa: PLR0913  (export_with's arguments, passed on)
+    fmt: Format,
+    out: Path,
+    started: float,
+    cache: StoreRef,
+    root: str | None,
+    overwrite: bool,
+    output: str | None,
+    layers: Sequence[int] | None,
+    rows_for: RowsFor | None,
+    progress: ProgressFn | None,
+    strict_rows: bool,
+) -> ExportReport:
+    """:func:`export_with`'s work, while it holds ``OUT.lock``."""
     src = open_source(
         cache, root, output=output, layers=layers,
         check=lambda layout, sources: fmt.check_destination(

@@ -129,15 +129,41 @@ def check_destination(
     check_free(out, store, overwrite=overwrite, unfit=_not_shards, sources=sources)
 
 
-def _not_shards(path: Path) -> str | None:
+#: The name of every shard an export writes (``shard-000000.tar``, ...).
+SHARD_NAME = re.compile(r"shard-\d{6}\.tar")
+
+
+def _not_shards(path: Path, finished: bool) -> str | None:
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         return f"{path} is a file or a link, not a folder of shards; choose another OUT"
-    if path.is_dir() and any(not f.name.endswith(".tar") for f in path.iterdir()):
+    if path.is_dir() and not _own_shards(path, finished):
         return (
-            f"{path} holds files other than tar shards; the export would delete them, so "
-            "choose another OUT (or move that folder away)"
+            f"{path} holds files other than the shards featbake exports; the export would "
+            "delete them, so choose another OUT (or move that folder away)"
         )
     return None
+
+
+def _own_shards(folder: Path, finished: bool) -> bool:
+    """Whether ``folder`` holds only what an export writes: shards named ``shard-NNNNNN.tar``;
+    a finished export's (OUT) first sample also has its ``.json`` member naming its ``id``
+    and ``key`` (a folder of the user's own shards, under the same names, is not deleted). An
+    empty folder is anyone's."""
+    names = [f.name for f in folder.iterdir()]
+    if not all(SHARD_NAME.fullmatch(n) for n in names):
+        return False
+    if not finished or not names:
+        return True
+    try:
+        with tarfile.open(folder / min(names)) as tar:
+            for member in tar:
+                if member.name.endswith(".json"):
+                    data = tar.extractfile(member)
+                    doc = json.loads(data.read()) if data is not None else None
+                    return isinstance(doc, dict) and {"id", "key"} <= doc.keys()
+    except (OSError, tarfile.TarError, ValueError):
+        return False
+    return False
 
 
 #: What a member's data is written from: byte strings and arrays, written one after another.
@@ -203,7 +229,7 @@ class ShardWriter:
         (headers and padding not counted)."""
         if self.file is None or self.size >= self.limit:
             self.close()
-            self.file = OutputFile(self.folder / f"shard-{self.count:06d}.tar")
+            self.file = OutputFile(self.folder / f"shard-{self.count:06d}.tar")  # SHARD_NAME
             self.count, self.size = self.count + 1, 0
         out: list[bytes | np.ndarray] = []
         data = 0

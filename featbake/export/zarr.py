@@ -82,9 +82,20 @@ def _rows_per_chunk(row_bytes: int) -> int:
     return max(1, CHUNK_BYTES // max(1, row_bytes))
 
 
-def _is_replaceable_export(path: Path) -> bool:
-    """An empty folder, or a Zarr v3 store (what an earlier or interrupted export left)."""
-    return (path / "zarr.json").is_file() or not any(path.iterdir())
+def _is_replaceable_export(path: Path, finished: bool) -> bool:
+    """An empty folder, or what an earlier export left: a finished one (OUT) is a Zarr v3
+    group whose attributes name ``featbake_version`` (another program's Zarr store is not
+    replaced); one a killed export began (``OUT.partial``) has its ``zarr.json``."""
+    meta = path / "zarr.json"
+    if not meta.is_file():
+        return not any(path.iterdir())
+    if not finished:
+        return True
+    try:
+        doc = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and "featbake_version" in (doc.get("attributes") or {})
 
 
 def check_destination(
@@ -105,13 +116,13 @@ def check_destination(
     check_free(out, store, overwrite=overwrite, unfit=_not_zarr, sources=sources)
 
 
-def _not_zarr(path: Path) -> str | None:
+def _not_zarr(path: Path, finished: bool) -> str | None:
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         return f"{path} is a file or a link, not a Zarr folder; remove it or choose another OUT"
-    if path.is_dir() and not _is_replaceable_export(path):
+    if path.is_dir() and not _is_replaceable_export(path, finished):
         return (
-            f"{path} is a folder that is not a Zarr store; the export would delete its "
-            "contents, so choose another OUT (or move that folder away)"
+            f"{path} is a folder that is not a Zarr store featbake exported; the export would "
+            "delete its contents, so choose another OUT (or move that folder away)"
         )
     return None
 

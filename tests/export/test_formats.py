@@ -190,7 +190,7 @@ def test_webdataset_export_of_several_parts_names_each_member(
     with pytest.raises(ConfigError, match="exists"):
         export_webdataset(tmp_path / "w", cache=store_dir)
     (tmp_path / "w" / "notes.txt").write_text("mine")
-    with pytest.raises(ConfigError, match="other than tar shards"):
+    with pytest.raises(ConfigError, match="other than the shards featbake exports"):
         export_webdataset(tmp_path / "w", cache=store_dir, overwrite=True)
 
 

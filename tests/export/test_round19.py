@@ -1,0 +1,148 @@
+"""Round nineteen, export: a manifest root built with ``--column``, two exports to one OUT at
+once, what ``--overwrite`` may replace, and an OUT whose folder is missing.
+
+Real stores built by the real code, exported through the ``featbake`` command and read back
+by pyarrow, tarfile and zarr; features compared with the encoder run now.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from featbake.store.files import Taken, lock_taken
+from featbake.testing import make_tone, write_audio_folder
+from tests.conftest import run_cli
+from tests.encode.test_manifests import write_jsonl
+from tests.helpers import Live, bake, printed
+
+pq = pytest.importorskip("pyarrow.parquet")
+pa = pytest.importorskip("pyarrow")
+zarr = pytest.importorskip("zarr")
+
+
+def _one_red_line(r) -> str:
+    said = printed(r)
+    assert "Traceback" not in said and "internal error" not in said, said
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, said
+    return lines[0]
+
+
+@pytest.fixture
+def built(encoder_file: Path, store_dir: Path, tmp_path: Path) -> Path:
+    """A store holding one folder root of three clips."""
+    write_audio_folder(tmp_path / "audio", 3, seconds=(0.3, 0.6), seed=1)
+    bake(tmp_path / "audio", encoder_file, store_dir)
+    return store_dir
+
+
+def test_a_root_built_with_column_is_read_by_that_column_without_it(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """A JSONL whose rows name their audio in ``wav`` (no ``path`` column), built with
+    ``--column wav``. A plain export tried the default column only: every row's labels were
+    left out, and a clip replaced since the build was exported as built, "removed or
+    unreadable". The export now finds the column the root's name says: labels kept, the
+    replaced clip left out and named as changed."""
+    write_audio_folder(tmp_path / "audio", 3, seconds=(0.3, 0.6), seed=1)
+    clips = sorted((tmp_path / "audio").glob("*.wav"))
+    rows = [{"id": f"u{i}", "wav": str(c), "label": 10 + i} for i, c in enumerate(clips)]
+    manifest = write_jsonl(tmp_path / "m.jsonl", rows)
+    built = run_cli("build", "-e", encoder_file, "-d", manifest, "--column", "wav",
+                    "--cache", store_dir)  # fmt: skip
+    assert built.returncode == 0, printed(built)
+    soundfile.write(tmp_path / "other.wav", make_tone(0.45, seed=77), 16000)
+    os.replace(tmp_path / "other.wav", clips[1])  # u1's clip is other audio now
+    out = tmp_path / "f.parquet"
+    r = run_cli("export", "--format", "parquet", out, "--cache", store_dir)
+    assert r.returncode == 0, printed(r)
+    assert "1 of 3 items" in printed(r) and "changed" in printed(r), printed(r)
+    assert "cannot be opened" not in printed(r), printed(r)
+    table = pq.read_table(out).to_pylist()
+    assert {rec["id"]: rec["label"] for rec in table} == {"u0": 10, "u2": 12}
+    live = Live()
+    for rec in table:
+        want = np.asarray(live(encoder_file, clips[int(rec["id"][1:])]))
+        got = np.asarray(rec["features"], np.float32).reshape(rec["features_shape"])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_second_export_to_the_same_out_at_once_is_refused(built: Path, tmp_path: Path) -> None:
+    """Two exports to one OUT at once each deleted the other's ``OUT.partial``: both could
+    say "exported" and leave an OUT no reader opened. While an export holds ``OUT.lock`` a
+    second is refused in one line; after it, the export runs and leaves no lock file."""
+    out = tmp_path / "f.zarr"
+    fd = os.open(tmp_path / "f.zarr.lock", os.O_RDWR | os.O_CREAT)  # a running export's
+    try:
+        assert lock_taken(fd) is Taken.TAKEN
+        r = run_cli("export", out, "--cache", built)
+        line = _one_red_line(r)
+        assert r.returncode == 2 and "another export to" in line and "is running" in line, line
+        assert not out.exists() and not (tmp_path / "f.zarr.partial").exists()
+    finally:
+        os.close(fd)
+    r = run_cli("export", out, "--cache", built)
+    assert r.returncode == 0, printed(r)
+    assert zarr.open_group(str(out), mode="r").attrs["items"] == 3
+    assert not (tmp_path / "f.zarr.lock").exists()
+
+
+def test_overwrite_replaces_only_what_featbake_exported(built: Path, tmp_path: Path) -> None:
+    """``--overwrite`` replaced anything of the format's type: a folder of the user's own
+    audio shards, a Parquet table and a Zarr store another program wrote, and a Parquet file
+    of the user's at ``OUT.partial`` even without ``--overwrite``. Each is refused in one line
+    and left as it was; featbake's own exports are still replaced."""
+    raw = tmp_path / "raw-shards"
+    raw.mkdir()
+    with tarfile.open(raw / "shard-000000.tar", "w") as tar:  # webdataset's own naming
+        tar.add(next((tmp_path / "audio").glob("*.wav")), arcname="s0.wav")
+    pq.write_table(pa.table({"text": ["precious"]}), tmp_path / "mine.parquet")
+    mine = zarr.open_group(str(tmp_path / "mine.zarr"), mode="w")
+    mine.create_array("precious", shape=(3,), dtype="i4")[:] = [1, 2, 3]
+    (tmp_path / "p").mkdir()
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "p" / "f.parquet")  # someone's finished
+    os.replace(tmp_path / "p" / "f.parquet", tmp_path / "p" / "g.parquet.partial")
+    cases = [
+        ("webdataset", raw, ["--overwrite"]),
+        ("parquet", tmp_path / "mine.parquet", ["--overwrite"]),
+        ("zarr", tmp_path / "mine.zarr", ["--overwrite"]),
+    ]
+    cases.append(("parquet", tmp_path / "p" / "g.parquet", []))  # its OUT.partial: not ours
+    for fmt, out, extra in cases:
+        r = run_cli("export", "--format", fmt, out, "--cache", built, *extra)
+        line = _one_red_line(r)
+        assert r.returncode == 2 and "featbake export" in line, line
+    assert sorted(p.name for p in raw.iterdir()) == ["shard-000000.tar"]
+    assert pq.read_table(tmp_path / "mine.parquet").column_names == ["text"]
+    assert list(zarr.open_group(str(tmp_path / "mine.zarr"), mode="r").array_keys()) == ["precious"]
+    assert pq.read_table(tmp_path / "p" / "g.parquet.partial").column_names == ["x"]
+    for fmt, out in (("webdataset", tmp_path / "w"), ("parquet", tmp_path / "f.parquet"),
+                     ("zarr", tmp_path / "f.zarr")):  # fmt: skip
+        for _ in range(2):  # made, then replaced
+            r = run_cli("export", "--format", fmt, out, "--cache", built, "--overwrite")
+            assert r.returncode == 0, printed(r)
+    with tarfile.open(tmp_path / "w" / "shard-000000.tar") as tar:
+        assert any(name.endswith(".json") for name in tar.getnames())
+    meta = json.loads(pq.read_schema(tmp_path / "f.parquet").metadata[b"featbake"])
+    assert "featbake_version" in meta and pq.read_table(tmp_path / "f.parquet").num_rows == 3
+
+
+def test_an_out_whose_folder_is_missing_is_refused_and_nothing_is_made(
+    built: Path, tmp_path: Path
+) -> None:
+    """A Zarr export to ``no/such/f.zarr`` made the missing folders (zarr's own open does),
+    and a failed export left them behind; Parquet and WebDataset refused. Every format now
+    refuses in one line, and nothing is made."""
+    for fmt in ("zarr", "parquet", "webdataset"):
+        r = run_cli("export", "--format", fmt, tmp_path / "no" / "such" / "f.out",
+                    "--cache", built)  # fmt: skip
+        line = _one_red_line(r)
+        assert r.returncode == 2 and "does not exist" in line, line
+    assert not (tmp_path / "no").exists()
