@@ -43,14 +43,17 @@ when most items miss: those want processes of their own.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import hashlib
 import itertools
 import queue
+import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -957,6 +960,20 @@ def distributed() -> bool:
 # == loader ========================================================================================
 #: How long the reader waits to hand over a batch before it looks at the stop flag again.
 _POLL_SECONDS = 0.1
+#: Every reader thread of this process still running, by its run: stopped at exit
+#: (:func:`_stop_readers_at_exit`), before the interpreter's teardown.
+_LIVE_READERS: weakref.WeakKeyDictionary[_ThreadRun, threading.Thread] = weakref.WeakKeyDictionary()
+
+
+def _stop_readers_at_exit() -> None:
+    """Stop the readers of iterators a script left open (a step-counted loop that ends
+    mid-epoch), while the interpreter is whole: a reader still in torch's code during the
+    teardown ended the process with ``terminate called without an active exception``."""
+    for run, reader in list(_LIVE_READERS.items()):
+        FeatureLoader._reader_stopped(run, reader)
+
+
+atexit.register(_stop_readers_at_exit)
 
 
 class ReaderDied(FeatbakeError):
@@ -1285,6 +1302,7 @@ class FeatureLoader:
             target=self._read, args=(run, start, ahead), name="featbake-loader", daemon=True
         )
         reader.start()
+        _LIVE_READERS[run] = reader
         pace = self._pace
         try:
             while True:
@@ -1301,11 +1319,33 @@ class FeatureLoader:
                 if pace.choose():
                     run.switch.set()  # the reader stops after the batch it is reading
         finally:
-            run.stop.set()  # the step stopped early, or failed: the reader ends at its next batch
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    run.ready.get_nowait()
-            reader.join()
+            self._reader_stopped(run, reader)
+
+    @staticmethod
+    def _reader_stopped(
+        run: _ThreadRun,
+        reader: threading.Thread,
+        empty: type[Exception] = queue.Empty,
+        finalizing: Callable[[], bool] = sys.is_finalizing,
+        live: weakref.WeakKeyDictionary[_ThreadRun, threading.Thread] = _LIVE_READERS,
+    ) -> None:
+        """Stop ``run``'s reader (the step stopped early, or failed: it ends at its next batch)
+        and wait for it, its queue drained so it is never blocked on a put.
+
+        An iterator a script left open is closed in the interpreter's teardown, after its
+        modules' names are gone (``queue`` is None there): what this needs is bound here, and
+        there the daemon reader ends with the process, unwaited. Before, the teardown printed
+        ``Exception ignored in: <generator object FeatureLoader._handed>`` and a traceback."""
+        run.stop.set()
+        if finalizing():
+            return
+        try:
+            while True:
+                run.ready.get_nowait()
+        except empty:
+            pass
+        reader.join()
+        live.pop(run, None)
 
     def _read(self, run: _ThreadRun, start: int, ahead: ReadAhead) -> None:
         """The reader thread: read and collate each batch from ``start``, in order, until told
@@ -1363,7 +1403,7 @@ class FeatureLoader:
             _put(ready, _END, stop)
 
 
-@dataclass
+@dataclass(eq=False)  # one run is one object: kept by identity (_LIVE_READERS)
 class _ThreadRun:
     """One run of the reader thread: the epoch's batches, the queue it hands them over in,
     and what the loop tells it (stop; switch: the loop reads the rest) and shows (waiting)."""

@@ -33,7 +33,7 @@ from featbake.pace import Pace, ReadsOn
 from featbake.serve.loader import SAMPLE, WARM_STREAK, ReadAhead, reads_on_of, staging_to
 from featbake.serve.sampling import EpochPlan
 from featbake.testing import drop_page_cache, write_audio_folder
-from tests.conftest import live_features
+from tests.conftest import REPO, live_features
 
 LOADER_THREAD = "featbake-loader"
 
@@ -458,6 +458,35 @@ def test_stopping_early_stops_the_reader(baked: CachedFeatureDataset) -> None:
     for _batch in FeatureLoader(baked, batch_size=2, prefetch=1):
         break
     assert _loader_threads() == []
+
+
+#: A step-counted script: it takes 3 batches of an iterator on the reader thread and ends.
+LEFT_OPEN_SCRIPT = """
+import sys
+from featbake import CachedFeatureDataset, FeatureLoader
+ds = CachedFeatureDataset(sys.argv[1], sys.argv[2], cache=sys.argv[3], on_miss="error")
+it = iter(FeatureLoader(ds, batch_size=2, seed=0, reads_on="thread"))
+for _ in range(3):
+    next(it)
+print("stepped")
+"""
+
+
+def test_an_iterator_left_open_at_exit_ends_quietly(
+    baked: CachedFeatureDataset, audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """A script that ends with an iterator open closed it in the interpreter's teardown, when
+    its modules' names were gone: ``Exception ignored in: <generator object
+    FeatureLoader._handed>`` and a traceback on every run, and now and then the reader, still
+    in torch's code, ended the process with ``terminate called without an active
+    exception``. Its reader is stopped at exit now, before the teardown."""
+    for _ in range(3):
+        proc = subprocess.run(
+            [sys.executable, "-c", LEFT_OPEN_SCRIPT, audio_dir, encoder_file, store_dir],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+        assert (proc.returncode, proc.stdout.strip(), proc.stderr.strip()) == (0, "stepped", "")
 
 
 def test_rank_and_world_come_from_torch_distributed(
