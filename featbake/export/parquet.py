@@ -49,6 +49,7 @@ from featbake.export.source import (
     check_free,
     compression_of,
     export_with,
+    json_value,
     row_columns,
     served_dtype,
     utf8_name,
@@ -238,7 +239,7 @@ def _carried_array(values: Sequence[Any]) -> Any:
 def _plain(value: Any) -> Any:
     """A carried value Arrow can type across rows: nested values as JSON text."""
     if isinstance(value, (dict, list, tuple)):
-        return json.dumps(value, sort_keys=True, default=str)
+        return json.dumps(json_value(value), sort_keys=True)
     return utf8_text(value) if isinstance(value, str) else value
 
 

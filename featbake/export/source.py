@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import datetime
 import json
+import math
 import os
 import queue
 import shutil
@@ -1077,17 +1079,50 @@ def utf8_text(text: str) -> str:
 
 def cell_text(value: Any) -> str:
     """A carried value as text, where its column is not all numbers (pure): a string as it
-    is, nothing as "", anything else as JSON (nested values, numbers among text).
+    is, nothing (or NaN) as "", a date, time, decimal or bytes as :func:`json_value` writes
+    it (no quotes), anything else as JSON (nested values, numbers among text).
 
     Example:
         >>> cell_text("19a"), cell_text(19), cell_text(None), cell_text({"k": [1]})
         ('19a', '19', '', '{"k": [1]}')
+        >>> import datetime
+        >>> cell_text(datetime.date(2024, 1, 2)), cell_text(bytes([0, 1])), cell_text(float("nan"))
+        ('2024-01-02', '0001', '')
     """
-    if value is None:
+    plain = json_value(value)
+    if plain is None:
         return ""
-    if isinstance(value, str):
-        return utf8_text(value)
-    return json.dumps(value, sort_keys=True, default=str)
+    if isinstance(plain, str):
+        return utf8_text(plain)
+    return json.dumps(plain, sort_keys=True)
+
+
+def json_value(value: Any) -> Any:
+    """A carried value as JSON holds it (pure): NaN and infinities as null (JSON has no such
+    number: a bare ``NaN`` is not JSON), dates and times in ISO 8601, decimals as their text,
+    bytes as hex, numpy values as Python's, nested lists and dicts alike; other values that
+    are not JSON's as their ``str``. Before, Zarr's text kept JSON's quotes and bytes were a
+    Python ``repr``.
+
+    Example:
+        >>> json_value({"t": [float("inf"), 1.5], "b": bytes([255])})
+        {'t': [None, 1.5], 'b': 'ff'}
+    """
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, Mapping):
+        return {str(k): json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [json_value(v) for v in (value.tolist() if isinstance(value, np.ndarray) else value)]
+    if isinstance(value, np.generic):
+        return json_value(value.item())
+    return str(value)  # a Decimal, a UUID, ...
 
 
 @dataclass(frozen=True)
@@ -1260,9 +1295,10 @@ def export_with(  # noqa: PLR0913  (public API: one keyword per `featbake export
     if not out.name:
         raise ConfigError(f"OUT {out} is the filesystem's root; give a path such as feats.zarr")
     if not out.parent.is_dir():  # no format makes it (zarr did: left behind a failed export)
+        what = "is not a folder" if out.parent.exists() else "does not exist"
         raise ConfigError(
-            f"the folder {out.parent} of OUT does not exist; create it, or choose an OUT in a "
-            "folder that exists"
+            f"the folder {out.parent} of OUT {what}; create it, or choose an OUT in a folder "
+            "that exists"
         )
     with exporting_alone(out):
         return _export_alone(fmt, out, started, cache, root, overwrite, output, layers,

@@ -43,6 +43,7 @@ from featbake.export.source import (
     carried_names,
     check_free,
     export_with,
+    json_value,
     row_columns,
 )
 
@@ -287,9 +288,8 @@ def npy_chunks(array: np.ndarray) -> list[bytes | np.ndarray]:
 def _meta(item: LocatedItem, row: Mapping[str, Any], names: Mapping[str, str]) -> bytes:
     """A sample's JSON member: its id, key and row, the row's columns under ``names``
     (:func:`~featbake.export.source.carried_names`: clear of ``id`` and ``key``)."""
-    carried = {names[k]: v for k, v in row.items()}
-    return json.dumps({**carried, "id": item.path, "key": item.key}, sort_keys=True,
-                      default=str).encode()  # fmt: skip
+    carried = {names[k]: json_value(v) for k, v in row.items()}  # JSON's own values only
+    return json.dumps({**carried, "id": item.path, "key": item.key}, sort_keys=True).encode()
 
 
 class WebDataset:

@@ -146,3 +146,53 @@ def test_an_out_whose_folder_is_missing_is_refused_and_nothing_is_made(
         line = _one_red_line(r)
         assert r.returncode == 2 and "does not exist" in line, line
     assert not (tmp_path / "no").exists()
+
+
+def test_carried_dates_decimals_bytes_and_nan_are_written_as_text_and_json_hold_them(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """A table's timestamp, decimal and binary columns, and a label missing (NaN once read):
+    Zarr's text cells kept JSON's quotes (``'"2024-01-01T00:00:00"'``), bytes were a Python
+    ``repr`` (``"b'\\\\x00\\\\x01'"``) and WebDataset's JSON held a bare ``NaN``, which no JSON
+    reader takes. Now ISO 8601 text, the decimal's text, bytes as hex and null."""
+    import datetime
+    import decimal
+
+    from tests.encode.test_containers import wav_bytes, write_audio_parquet
+
+    table = write_audio_parquet(
+        tmp_path / "t.parquet",
+        [wav_bytes(0.4, seed=i) for i in range(2)],
+        id=["r0", "r1"],
+        label=[1.5, float("nan")],
+        ts=[datetime.datetime(2024, 1, 1), datetime.datetime(2024, 1, 2, 3, 4)],
+        dec=[decimal.Decimal("1.10"), decimal.Decimal("2.2")],
+        bin=[b"\x00\x01", b"\xff"],
+    )
+    built = run_cli("build", "-e", encoder_file, "-d", table, "--cache", store_dir)
+    assert built.returncode == 0, printed(built)
+    for fmt, out in (("zarr", tmp_path / "o.zarr"), ("webdataset", tmp_path / "w")):
+        r = run_cli("export", "--format", fmt, out, "--cache", store_dir, "--strict-rows")
+        assert r.returncode == 0, printed(r)
+    columns = zarr.open_group(str(tmp_path / "o.zarr"), mode="r")["columns"]
+    assert list(columns["ts"][:]) == ["2024-01-01T00:00:00", "2024-01-02T03:04:00"]
+    assert list(columns["dec"][:]) == ["1.10", "2.20"]
+    assert list(columns["bin"][:]) == ["0001", "ff"]
+
+    def strict(text: str) -> object:
+        raise ValueError(f"not JSON: {text}")
+
+    docs = []
+    with tarfile.open(tmp_path / "w" / "shard-000000.tar") as tar:
+        for member in tar:
+            if member.name.endswith(".json"):
+                data = tar.extractfile(member)
+                assert data is not None
+                docs.append(json.loads(data.read(), parse_constant=strict))
+    by_id = {d["id"]: d for d in docs}
+    assert (by_id["r0"]["label"], by_id["r1"]["label"]) == (1.5, None)
+    assert (by_id["r1"]["ts"], by_id["r1"]["dec"], by_id["r1"]["bin"]) == (
+        "2024-01-02T03:04:00",
+        "2.20",
+        "ff",
+    )
