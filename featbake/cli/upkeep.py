@@ -1031,7 +1031,9 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
                 return {}
             return {named[full]: digest for full, digest in now.items()} | gone
 
-        return RootData(lambda path: inputs.row(path) if path in listed else None, digests)
+        return RootData(
+            lambda path: inputs.row(path) if path in listed else None, digests, frozenset(listed)
+        )
 
     return rows_for
 

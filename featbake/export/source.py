@@ -79,6 +79,9 @@ class RootData:
 
     row: RowsOf
     digests: DigestsOf
+    #: every item the data lists now, by its path as a manifest names it (those the root
+    #: lacks were added since the build: counted, never exported)
+    listed: frozenset[str] = frozenset()
 
 
 #: A chosen root's data now, or None where its inputs cannot be opened (export/ never opens
@@ -183,6 +186,9 @@ class ExportReport:
     #: data cannot be opened): exported as built, unchecked. Unlisted items are counted in
     #: ``unlisted`` alone.
     unchecked: int = 0
+    #: Items the root's data lists now that its manifest lacks (added since the build, or
+    #: never built): not exported, and counted.
+    added: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -842,6 +848,8 @@ class Matched:
     changed: list[str] = field(default_factory=list)
     #: inputs that cannot be read now (and are not unlisted): exported as built
     unchecked: list[str] = field(default_factory=list)
+    #: items the data lists now that the root's manifest lacks: not exported
+    added: list[str] = field(default_factory=list)
 
     def drifts(self) -> list[tuple[Drift, list[str]]]:
         """Each :class:`Drift` with the paths of its items, in the order they are told."""
@@ -868,11 +876,17 @@ def matched_to(
     changed, unread = checked_items(src, data, listed)
     unlisted = unlisted if any(carried) else []
     counted = set(unlisted)
-    matched = Matched(carried, unlisted, changed, [p for p in unread if p not in counted])
+    added = sorted(data.listed - {path for path, _ in src.manifest})
+    matched = Matched(carried, unlisted, changed, [p for p in unread if p not in counted], added)
     stored = len(src.present)
     for drift, paths in matched.drifts():
         if strict_rows and paths:
             raise drift.refusal(paths, stored, src.root)
+    if strict_rows and added:
+        raise ConfigError(
+            f"{added_head(len(added), src.root.name)} ({_named(added)}); {REBUILD}, or drop "
+            "--strict-rows to export the root as built"
+        )
     if len(changed) == stored:
         head = CHANGED.head(stored, stored, src.root.name)
         raise ConfigError(f"{head}: nothing is left to export; {REBUILD}")
@@ -912,9 +926,14 @@ class Drift:
 
     def refusal(self, paths: Sequence[str], items: int, root: Root) -> ConfigError:
         """The refusal of ``--strict-rows``, naming the first of ``paths``."""
-        shown = ", ".join(repr(p) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
+        shown = _named(paths)
         head = self.head(len(paths), items, root.name, f"its data {root.data}")
         return ConfigError(f"{head} ({shown}); {REBUILD}, or drop --strict-rows to {self.lenient}")
+
+
+def _named(paths: Sequence[str]) -> str:
+    """The first three of ``paths``, quoted, then "..." where there are more (pure)."""
+    return ", ".join(repr(p) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
 
 
 #: What every :class:`Drift` message says to do.
@@ -953,7 +972,28 @@ def drift_lines(report: ExportReport) -> list[str]:
     counts = ((UNLISTED, report.unlisted), (CHANGED, report.changed),
               (UNCHECKED, report.unchecked))  # fmt: skip
     stored = report.items + report.changed
-    return [drift.warning(n, stored, report.root) for drift, n in counts if n]
+    lines = [drift.warning(n, stored, report.root) for drift, n in counts if n]
+    if report.added:
+        lines.append(
+            f"{added_head(report.added, report.root)}: they are not exported; {REBUILD}, or "
+            "pass --strict-rows to refuse"
+        )
+    return lines
+
+
+def added_head(count: int, root: str) -> str:
+    """``3 items its data lists now are not in root r-1 (...)`` (pure): the warning's and the
+    refusal's opening.
+
+    Example:
+        >>> added_head(1, "r-1")
+        '1 item its data lists now is not in root r-1 (added since the build, or never built)'
+    """
+    item, are = ("item", "is") if count == 1 else ("items", "are")
+    return (
+        f"{count:,} {item} its data lists now {are} not in root {root} (added since the build, "
+        "or never built)"
+    )
 
 
 def row_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
@@ -1356,4 +1396,5 @@ def _export_alone(  # noqa: PLR0913  (export_with's arguments, passed on)
         unlisted=len(matched.unlisted),
         changed=len(matched.changed),
         unchecked=len(matched.unchecked),
+        added=len(matched.added),
     )

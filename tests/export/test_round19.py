@@ -196,3 +196,22 @@ def test_carried_dates_decimals_bytes_and_nan_are_written_as_text_and_json_hold_
         "2.20",
         "ff",
     )
+
+
+def test_inputs_added_to_the_data_since_the_build_are_counted_or_refused(
+    built: Path, tmp_path: Path
+) -> None:
+    """A clip added to the folder after the build was missing from the export with no word,
+    ``--strict-rows`` included (it lists the data now, and compared only the root's items).
+    One yellow line counts it; ``--strict-rows`` refuses, naming it."""
+    soundfile.write(tmp_path / "audio" / "new.wav", make_tone(0.4, seed=9), 16000)
+    r = run_cli("export", "--format", "parquet", tmp_path / "f.parquet", "--cache", built,
+                "--json")  # fmt: skip
+    assert r.returncode == 0, printed(r)
+    assert json.loads(r.stdout)["added"] == 1 and json.loads(r.stdout)["items"] == 3
+    said = [line for line in r.stderr.splitlines() if "its data lists now" in line]
+    assert len(said) == 1 and "1 item" in said[0] and "--strict-rows" in said[0], r.stderr
+    strict = run_cli("export", tmp_path / "s.zarr", "--cache", built, "--strict-rows")
+    line = _one_red_line(strict)
+    assert strict.returncode == 2 and "'new.wav'" in line, line
+    assert not (tmp_path / "s.zarr").exists()
