@@ -582,6 +582,10 @@ class ScaleSpan:
             low = float(live.min())
         return cls(low, high, damaged=damaged)
 
+    def known(self) -> bool:
+        """Whether any row's scale was seen (a non-zero row, or a zero one's ``high``)."""
+        return self.low < math.inf or self.high > 0.0
+
     def merged(self, other: ScaleSpan) -> ScaleSpan:
         """The span of both."""
         return ScaleSpan(

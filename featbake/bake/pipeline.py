@@ -963,7 +963,7 @@ class _Bake:
         or quantised exactly as the build's own step does it (:meth:`Compactor.store`, which
         also measures int8/fp8 fidelity on the same sample a build of that dtype measures)."""
         if not source.how.convert:
-            return dict(parts)
+            return self.compactor.copied(dict(parts))
         as_output = {n: self.recipe.encoded(v) for n, v in parts.items()}
         if not self.options.allow_nonfinite and nonfinite_part(as_output) is not None:
             return None  # e.g. past float16's range: encoded, and failed, as such a build does

@@ -113,6 +113,19 @@ class Compactor:
                 m.tallies[name].add_parts(parts, served)
         return stored
 
+    def copied(self, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``stored`` parts copied as they are from a build of this dtype (a derived build's
+        copy): their scales join the span that decides the served dtype, as an encoded item's
+        do. Nothing is tallied (there is no float output to compare with). Before, a root made
+        of copies recorded no span, and a store past float16's range was refused by every
+        dataset, where a fresh build of the same recipe is served as float32."""
+        m = self.measured
+        if m is not None:
+            for v in stored.values():
+                if v.dtype == m.scheme.packed_dtype:
+                    m.span = m.span.merged(ScaleSpan.of(unpack(v, m.scheme).scales))
+        return stored
+
     def fidelity(self) -> Fidelity | None:
         """What was measured on what is served, or None (a float dtype, or nothing encoded)."""
         return self.measured.fidelity() if self.measured is not None else None
@@ -121,9 +134,9 @@ class Compactor:
         """Put what int8/fp8 cost in the report and beside the root (``featbake roots``); a
         part of a build holds it for its done fragment, whose merge records it."""
         fidelity, measured = self.fidelity(), self.measured
-        if fidelity is None or measured is None:
+        if measured is None or (fidelity is None and not measured.span.known()):
             return
-        report.fidelity = fidelity.to_json()
+        report.fidelity = None if fidelity is None else fidelity.to_json()
         notes = (over_bound(fidelity, max_error), served_note(measured))
         report.fidelity_warning = "; ".join(n for n in notes if n)
         catalog.record_fidelity(report.root, measured, max_error)

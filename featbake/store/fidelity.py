@@ -115,8 +115,9 @@ def fidelity_file(layout: Layout, name: str) -> Path:
 
 
 def write_fidelity(layout: Layout, name: str, measured: Measured, bound: float | None) -> None:
-    """Record what a build measured (tmp, rename: a reader sees the old record or the new);
-    nothing when nothing was measured.
+    """Record what a build measured (tmp, rename: a reader sees the old record or the new):
+    its error on the sampled items (null where it only copied packed rows) and the dtype its
+    rows' scales can be served in; nothing when it stored nothing quantised.
 
     Raises:
         StoreError: the store is not writable.
@@ -125,10 +126,11 @@ def write_fidelity(layout: Layout, name: str, measured: Measured, bound: float |
         >>> write_fidelity(layout, "r-3f1c", compactor.measured, 0.05)  # doctest: +SKIP
     """
     fidelity = measured.fidelity()
-    if fidelity is None:
+    if fidelity is None and not measured.span.known():
         return
-    served = measured.served()
-    doc: dict[str, Any] = {"fidelity": fidelity.to_json(), "bound": bound, "serve_dtype": served}
+    served = measured.served()  # by the span alone where nothing was tallied (copies)
+    measured_json = None if fidelity is None else fidelity.to_json()
+    doc: dict[str, Any] = {"fidelity": measured_json, "bound": bound, "serve_dtype": served}
     final = fidelity_file(layout, name)
     try:
         publish_file(

@@ -174,3 +174,47 @@ def test_live_encoding_of_data_stored_under_other_options_warns_once_naming_them
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the store's own options: nothing to say
         CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+
+
+class _PastFloat16(torch.nn.Module):
+    """Two outputs: frames past float16's range (~1e8) and their small mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv1d(1, 16, 400, stride=160)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.conv(x.unsqueeze(1)).transpose(1, 2)
+        return y * 1e8, y.mean(1)
+
+
+def test_an_int8_output_copied_from_an_int8_whole_output_build_is_served_as_a_fresh_one(
+    tmp_path: Path,
+) -> None:
+    """``--output 0 --dtype int8`` over a store holding the whole output in int8 copies the
+    packed rows, and recorded no span of their scales: a dataset served the copied root as
+    float16 and refused every item (values up to 5e7), where a fresh build of the recipe is
+    served as float32. The copies' scales are recorded now: the same serve dtype, warning and
+    values as the fresh build (its error is measured where rows are encoded, not copied)."""
+    from featbake.testing import write_audio_folder
+
+    write_audio_folder(tmp_path / "audio", 4, seconds=(0.5, 1.5), seed=1)
+    encoder = _PastFloat16().eval().requires_grad_(False)
+    whole, one = Recipe(dtype="int8"), Recipe(dtype="int8", output="0")
+    copied, fresh = tmp_path / "copied", tmp_path / "fresh"
+    build(tmp_path / "audio", encoder, cache=copied, recipe=whole, workers=0)
+    derived = build(tmp_path / "audio", encoder, cache=copied, recipe=one, workers=0)
+    made = build(tmp_path / "audio", encoder, cache=fresh, recipe=one, workers=0)
+    assert (derived.encoded, derived.derived, made.encoded) == (0, 4, 4)
+    assert "as float32 by default" in derived.fidelity_warning
+    assert derived.fidelity_warning == made.fidelity_warning
+    for store in (copied, fresh):
+        ds = CachedFeatureDataset(tmp_path / "audio", encoder, cache=store, recipe=one,
+                                  on_miss="error")  # fmt: skip
+        for i in range(len(ds)):
+            with torch.inference_mode():
+                want = encoder(AudioSource(Recipe()).load(ds.path(i)).unsqueeze(0))[0][0]
+            got = ds[i]
+            assert got.dtype == torch.float32 and torch.isfinite(got).all()
+            assert float((got - want).norm() / want.norm()) < 0.02
