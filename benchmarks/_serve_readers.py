@@ -237,6 +237,14 @@ class InMemory(Dataset):
         return self.tensors[i]
 
 
+class InMemoryCopies(InMemory):
+    """A list of tensors that hands out a copy of each, the caller's own (an in-place edit of
+    an item served never changes a later read): what a RAM-tier hit serves."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.tensors[i].clone()
+
+
 @dataclass(frozen=True)
 class Reader:
     """One reader in the comparison: its label says whether it hands out views or copies."""
