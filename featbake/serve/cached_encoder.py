@@ -1245,22 +1245,45 @@ def autocast_now(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(device.type)
 
 
-def held_trainable(module: nn.Module) -> list[str]:
-    """Names of the tensors ``module`` holds outside its parameters (buffers, plain tensor
-    attributes and those in lists, tuples and dicts) that require grad: a learned prompt kept
-    as a plain tensor, which a cached row would drop from the graph."""
-    found = []
-    for name, sub in module.named_modules():
-        for attr, value in vars(sub).items():
-            if attr in ("_parameters", "_modules"):
-                continue
-            if isinstance(value, Mapping):  # _buffers among them
-                held = list(value.values())
-            else:
-                held = list(value) if isinstance(value, (list, tuple)) else [value]
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in held):
+#: What every ``nn.Module`` holds itself (its parameters, submodules, hooks, flags), which
+#: :func:`tree_state` passes over: its buffers are read, and every attribute a class adds.
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"_buffers"}
+
+
+class TreeState(NamedTuple):
+    """What one walk of a module tree found that keeps caching off: whether a submodule is
+    in train mode, and the tensors held outside the parameters that require grad."""
+
+    training: bool
+    held_trainable: list[str]
+
+
+def tree_state(module: nn.Module, *, held: bool) -> TreeState:
+    """One walk of ``module``'s tree (~2 us a submodule): whether any runs in train mode and,
+    with ``held``, the names of the tensors it holds outside its parameters (buffers, plain
+    tensor attributes and those in lists, tuples and dicts) that require grad: a learned
+    prompt kept as a plain tensor, which a cached row would drop from the graph."""
+    training, found = False, []
+    for sub in module.modules():
+        attrs = vars(sub)
+        training = training or bool(attrs.get("training"))
+        if not held:
+            continue
+        for attr in attrs.keys() - _MODULE_INTERNALS:
+            if _requires_grad(attrs[attr]):
+                name = next(n for n, m in module.named_modules() if m is sub)
                 found.append(f"{name}.{attr}" if name else attr)
-    return found
+    return TreeState(training, sorted(found))
+
+
+def _requires_grad(value: Any) -> bool:
+    """Whether ``value`` is a tensor that requires grad, or a list, tuple or dict (a module's
+    ``_buffers``) holding one."""
+    kind = type(value)
+    if kind is list or kind is tuple or isinstance(value, dict):
+        inner = value.values() if isinstance(value, dict) else value
+        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in inner)
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 def refuse_uneven_rows(rows: Sequence[Mapping[str, torch.Tensor]], names: Sequence[str]) -> None:
@@ -1596,8 +1619,13 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         reasons = []
         if not self.enabled:
             reasons.append("enabled=False")
-        training = training_submodule(self.encoder)
-        if training is not None:  # dropout in one submodule makes every call differ
+        # Under no_grad (a frozen teacher's usual call) no gradient could flow: held tensors
+        # are not read. Dropout in one submodule makes every call differ.
+        tree = tree_state(self.encoder, held=torch.is_grad_enabled())
+        training = None
+        if tree.training or isinstance(self.encoder, torch.fx.GraphModule):
+            training = training_submodule(self.encoder)  # named: a second walk, only then
+        if training is not None:
             reasons.append(f"the encoder is in training mode: {training} (call .eval() on it)")
         trainable = sum(p.requires_grad for p in self.encoder.parameters())
         if trainable:
@@ -1605,7 +1633,7 @@ class CachedEncoder(ProcessLocalState, nn.Module):
                 f"{trainable} encoder parameters require grad (call .requires_grad_(False) "
                 "on it; .eval() alone does not)"
             )
-        held = held_trainable(self.encoder)
+        held = tree.held_trainable
         if held:
             reasons.append(
                 f"the encoder holds tensors outside its parameters that require grad "
