@@ -395,3 +395,12 @@ def wait_past_racy(folder: Path) -> None:
     past = newest + racy_window_ns(newest, newest) + 1
     while time.time_ns() <= past:
         time.sleep((past - time.time_ns()) / 1e9 + 1e-3)
+
+
+def one_red_line(r) -> str:
+    """The one line a refused command printed (no traceback, no internal error)."""
+    said = printed(r)
+    assert "Traceback" not in said and "internal error" not in said, said
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, said
+    return lines[0]

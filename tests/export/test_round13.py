@@ -26,7 +26,7 @@ from featbake.export.webdataset import part_extensions
 from featbake.testing import TinyConvEncoder, make_tone, save_torchscript, write_audio_folder
 from tests.conftest import invoke, run_cli
 from tests.encode.test_manifests import write_jsonl
-from tests.helpers import Live, bake, printed
+from tests.helpers import Live, bake, one_red_line, printed
 
 pq = pytest.importorskip("pyarrow.parquet")
 zarr = pytest.importorskip("zarr")
@@ -35,15 +35,6 @@ zarr = pytest.importorskip("zarr")
 def _clips(tmp_path: Path, n: int = 4) -> list[Path]:
     write_audio_folder(tmp_path / "audio", n, seconds=(0.3, 0.6), seed=1)
     return sorted((tmp_path / "audio").rglob("*.wav"))
-
-
-def _one_red_line(r) -> str:
-    """The one line a refused command printed (no traceback, no internal error)."""
-    said = printed(r)
-    assert "Traceback" not in said and "internal error" not in said, said
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, said
-    return lines[0]
 
 
 def _wds_samples(folder: Path) -> dict[str, dict[str, bytes]]:
@@ -89,7 +80,7 @@ def test_items_whose_rows_left_the_manifest_are_warned_of_or_refused(
 
     strict = tmp_path / "strict.zarr"
     r = run_cli("export", strict, "--cache", store_dir, "--strict-rows")
-    line = _one_red_line(r)
+    line = one_red_line(r)
     assert r.returncode == 2 and "2 of 4 items" in line and "u1" in line, line
     assert not strict.exists() and not Path(f"{strict}.partial").exists()
 
@@ -111,7 +102,7 @@ def test_strict_rows_refuses_a_root_whose_rows_cannot_be_read(
     r = invoke("export", tmp_path / "a.zarr", "--cache", store_dir)
     assert r.returncode == 0 and "rows' columns are left out" in printed(r), printed(r)
     r = invoke("export", tmp_path / "b.zarr", "--cache", store_dir, "--strict-rows")
-    line = _one_red_line(r)
+    line = one_red_line(r)
     assert r.returncode == 2 and "cannot be read" in line and "--strict-rows" in line, line
     assert not (tmp_path / "b.zarr").exists()
 
@@ -147,7 +138,7 @@ def test_overwrite_refuses_the_data_a_root_was_built_from(
     bake(shards, encoder_file, store_dir)
 
     r = run_cli("export", "--format", "webdataset", shards, "--cache", store_dir, "--overwrite")
-    line = _one_red_line(r)
+    line = one_red_line(r)
     assert r.returncode == 2 and "data" in line and "built from" in line, line
     assert {p.name: p.read_bytes() for p in shards.iterdir()} == before
     for out in (tmp_path, store_dir):  # holds the data; is the store
@@ -199,7 +190,7 @@ def test_an_out_of_dot_or_the_filesystem_root_is_checked_as_the_folder_it_names(
     for out in (".", "/"):
         r = invoke("export", out, "--cache", store_dir, "--overwrite", cwd=tmp_path)
         assert r.returncode == 2, printed(r)
-        _one_red_line(r)
+        one_red_line(r)
     assert store_dir.is_dir() and (tmp_path / "audio").is_dir()
 
 

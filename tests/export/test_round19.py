@@ -20,19 +20,11 @@ from featbake.store.files import Taken, lock_taken
 from featbake.testing import make_tone, write_audio_folder
 from tests.conftest import run_cli
 from tests.encode.test_manifests import write_jsonl
-from tests.helpers import Live, bake, printed
+from tests.helpers import Live, bake, one_red_line, printed
 
 pq = pytest.importorskip("pyarrow.parquet")
 pa = pytest.importorskip("pyarrow")
 zarr = pytest.importorskip("zarr")
-
-
-def _one_red_line(r) -> str:
-    said = printed(r)
-    assert "Traceback" not in said and "internal error" not in said, said
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, said
-    return lines[0]
 
 
 @pytest.fixture
@@ -83,7 +75,7 @@ def test_a_second_export_to_the_same_out_at_once_is_refused(built: Path, tmp_pat
     try:
         assert lock_taken(fd) is Taken.TAKEN
         r = run_cli("export", out, "--cache", built)
-        line = _one_red_line(r)
+        line = one_red_line(r)
         assert r.returncode == 2 and "another export to" in line and "is running" in line, line
         assert not out.exists() and not (tmp_path / "f.zarr.partial").exists()
     finally:
@@ -117,7 +109,7 @@ def test_overwrite_replaces_only_what_featbake_exported(built: Path, tmp_path: P
     cases.append(("parquet", tmp_path / "p" / "g.parquet", []))  # its OUT.partial: not ours
     for fmt, out, extra in cases:
         r = run_cli("export", "--format", fmt, out, "--cache", built, *extra)
-        line = _one_red_line(r)
+        line = one_red_line(r)
         assert r.returncode == 2 and "featbake export" in line, line
     assert sorted(p.name for p in raw.iterdir()) == ["shard-000000.tar"]
     assert pq.read_table(tmp_path / "mine.parquet").column_names == ["text"]
@@ -143,7 +135,7 @@ def test_an_out_whose_folder_is_missing_is_refused_and_nothing_is_made(
     for fmt in ("zarr", "parquet", "webdataset"):
         r = run_cli("export", "--format", fmt, tmp_path / "no" / "such" / "f.out",
                     "--cache", built)  # fmt: skip
-        line = _one_red_line(r)
+        line = one_red_line(r)
         assert r.returncode == 2 and "does not exist" in line, line
     assert not (tmp_path / "no").exists()
 
@@ -212,6 +204,6 @@ def test_inputs_added_to_the_data_since_the_build_are_counted_or_refused(
     said = [line for line in r.stderr.splitlines() if "its data lists now" in line]
     assert len(said) == 1 and "1 item" in said[0] and "--strict-rows" in said[0], r.stderr
     strict = run_cli("export", tmp_path / "s.zarr", "--cache", built, "--strict-rows")
-    line = _one_red_line(strict)
+    line = one_red_line(strict)
     assert strict.returncode == 2 and "'new.wav'" in line, line
     assert not (tmp_path / "s.zarr").exists()
