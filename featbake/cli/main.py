@@ -86,12 +86,62 @@ def interrupted_line(argv: list[str] | None) -> str:
     return INTERRUPTED.get(command, "rerun the command to finish it")
 
 
+def empty_argument(args: list[str]) -> str | None:
+    """What an empty (or blank) argument gives, named, or None where none is (pure).
+
+    No featbake argument means anything empty: a script's unset variable (``--cache "$DIR"``)
+    read ``""`` as the current folder, ``featbake roots drop "$ROOT"`` dropped the one root
+    an empty prefix matches, ``--data ""`` built the whole current folder.
+
+    Example:
+        >>> empty_argument(["gc", "--cache", ""]), empty_argument(["roots", "drop", " "])
+        ('the value of --cache', "argument 3 (' ')")
+        >>> empty_argument(["stats", "--cache=", "--json"]), empty_argument(["stats"])
+        ('the value of --cache', None)
+    """
+    for i, arg in enumerate(args):
+        option, eq, value = arg.partition("=")
+        if arg.startswith("--") and eq and not value.strip():
+            return f"the value of {option}"
+        if arg.strip():
+            continue
+        before = args[i - 1] if i else ""
+        if before.startswith("-") and "=" not in before and len(before) > 1:
+            return f"the value of {before}"
+        return f"argument {i + 1} ({arg!r})"
+    return None
+
+
+def _refuse_empty(args: list[str]) -> None:
+    """Exit 2 with one line where an argument is empty (:func:`empty_argument`)."""
+    empty = empty_argument(args)
+    if empty is not None:
+        console.print(
+            f"[bold red]error:[/] {escape(empty)} is empty (an unset variable in a script?); "
+            "give it a value (nothing was read or written)"
+        )
+        sys.exit(2)
+
+
 def _run(argv: list[str] | None) -> None:
     """Run the app; featbake errors become one red line and an exit code."""
+    _refuse_empty(sys.argv[1:] if argv is None else argv)
+    previous = None
     if threading.current_thread() is threading.main_thread():
         # SIGTERM (torchrun, SLURM, Kubernetes, docker) stops a command as Ctrl-C does, with its
         # own exit code; a build turns it into a stop at its next safe point.
-        signal.signal(signal.SIGTERM, raise_on_sigterm)
+        previous = signal.signal(signal.SIGTERM, raise_on_sigterm)
+    try:
+        _run_app(argv)
+    finally:
+        # The command is over: a SIGTERM from here on (the interpreter's exit handlers) ends
+        # the process as it would have, not with a traceback out of an exit handler.
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_app(argv: list[str] | None) -> None:
+    """The app, run; each way it ends turned into one line and an exit code (see :func:`_run`)."""
     try:
         # Without standalone mode typer *returns* the code of a `raise typer.Exit(code)`, and 130
         # when it caught a KeyboardInterrupt itself: dropping it would turn Ctrl-C into success.
@@ -103,12 +153,15 @@ def _run(argv: list[str] | None) -> None:
     except FeatbakeError as e:
         if os.environ.get("FEATBAKE_DEBUG"):
             raise
+        line = in_part(str(e), failed=True)
+        console.print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True)
+        sys.exit(e.exit_code)
+    except Terminated as e:
         # A stop asked for from outside is not a failure of its own: under torchrun the rank
-        # that failed prints the one `error:` line, and the ranks torchrun then stops say so.
-        stopped = isinstance(e, Terminated)
-        word = "stopped" if stopped else "error"
-        line = in_part(str(e), failed=not stopped)
-        console.print(f"[bold red]{word}:[/] {escape(line)}", soft_wrap=True)
+        # that failed prints the one `error:` line, and the ranks torchrun then stops say so,
+        # with what stopping left (this command's, not the build's words).
+        line = in_part(f"{e}: {interrupted_line(argv)}", failed=False)
+        console.print(f"[bold red]stopped:[/] {escape(line)}", soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         console.print(f"[bold red]interrupted:[/] {interrupted_line(argv)}")

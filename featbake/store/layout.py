@@ -157,6 +157,27 @@ class Layout:
                 "over, delete the store folder)"
             )
 
+    def refuse_foreign_folder(self) -> None:
+        """Refuse to make a store in a folder that holds files and no store (see :meth:`ensure`).
+
+        Raises:
+            ConfigError: it does, naming one of its entries.
+        """
+        if self.remote is not None:
+            return  # a bucket's tier folder: featbake's own
+        try:
+            with os.scandir(self.root) as it:
+                entries = sorted(e.name for e in it)
+        except OSError:
+            return  # not there yet (made below), or unreadable (said where it is made)
+        if not entries or any(name in STORE_MARKS for name in entries):
+            return
+        raise ConfigError(
+            f"{self.root} holds files of its own ({entries[0]!r}, ...) and no featbake store; "
+            "give an empty or new folder for the store (--cache DIR), so nothing there is ever "
+            "taken for the store's own (gc empties a store's tmp/)"
+        )
+
     def shard_path(self, name: str) -> Path:
         """``shards/ab/<name>.safetensors`` for a shard named ``ab...``.
 
@@ -167,7 +188,14 @@ class Layout:
         return self.shards / name[:2] / f"{name}.safetensors"
 
     def ensure(self) -> Layout:
-        """Create the directories, or raise a StoreError that says why it could not."""
+        """Create the directories, or raise a StoreError that says why it could not.
+
+        Raises:
+            ConfigError: the folder exists, holds files, and none of a store's (a folder of
+                the user's given as ``--cache``, or ``--cache ""`` read as the current one):
+                a store there would take the user's ``tmp/`` for its own, which gc empties.
+        """
+        self.refuse_foreign_folder()
         try:
             for d in (self.root, self.shards, self.tmp):
                 d.mkdir(parents=True, exist_ok=True)
@@ -177,6 +205,13 @@ class Layout:
                 "choose a writable place with --cache DIR or $FEATBAKE_CACHE"
             ) from e
         return self
+
+
+#: What only a store folder holds (any one of them: a store of any age, a build killed before
+#: its first shard, a catalog lost beside its shards).
+STORE_MARKS = frozenset(
+    {"catalog.sqlite", "shards", "roots", "fragments", "claims", "quarantine", "write.lock"}
+)
 
 
 def layout_at(cache: str | os.PathLike[str] | None) -> Layout:

@@ -390,10 +390,15 @@ def resolve_root(catalog: Catalog, name: str) -> Root:
     """The root called ``name`` or named by a unique prefix of it.
 
     Raises:
-        ConfigError: no root, or several, match.
+        ConfigError: no root, or several, match; a prefix too short to name one.
     """
     roots = catalog.roots()
     exact = [r for r in roots if r.name == name]
+    if not exact and len(name.removeprefix("r-")) < 2:  # "", "r", "r-": every root's prefix
+        raise ConfigError(
+            f"{name!r} is too short a prefix to name a root: give its name, or at least two "
+            "characters past `r-` (`featbake roots` lists them)"
+        )
     matches = exact or [r for r in roots if r.name.startswith(name)]
     if len(matches) == 1:
         return matches[0]

@@ -1026,7 +1026,8 @@ def test_a_noop_rebuild_starts_one_python_and_the_watcher_imports_no_typer_rich_
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     env.pop("FEATBAKE_DEBUG", None)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    args = ["build", "-e", str(encoder_file), "-d", str(audio_dir), "--cache", str(tmp_path)]
+    store = tmp_path / "store"
+    args = ["build", "-e", str(encoder_file), "-d", str(audio_dir), "--cache", str(store)]
     first = invoke(*args)  # the store the no-op rebuild below finds
     assert first.returncode == 0, first.stderr
     # The environment variable reaches every Python the command starts (-X importtime does not).

@@ -102,3 +102,23 @@ def test_a_dataset_refuses_another_scheme(audio_dir: Path, encoder_file: Path) -
     paths = sorted(audio_dir.rglob("*.wav"))
     with pytest.raises(ConfigError, match="speak s3://"):
         CachedFeatureDataset(paths, encoder_file, cache="hdfs://bucket/features")
+
+
+def test_a_root_is_named_whole_or_by_a_prefix_of_two_characters_past_r() -> None:
+    """``roots drop ""`` (a script's unset variable), ``r`` or ``r-`` matched every root and
+    dropped a store's only one; a prefix must reach two characters past ``r-`` now. Several
+    matches, and none, are refused as before."""
+    from types import SimpleNamespace
+
+    from featbake.errors import ConfigError
+    from featbake.store.open import resolve_root
+
+    roots = [SimpleNamespace(name=n) for n in ("r-ab12", "r-ab34", "r-c")]
+    catalog = SimpleNamespace(roots=lambda: roots)
+    assert resolve_root(catalog, "r-ab1").name == "r-ab12"  # type: ignore[arg-type]
+    assert resolve_root(catalog, "r-c").name == "r-c"  # type: ignore[arg-type]  # whole
+    refused = {"": "too short", "r": "too short", "r-": "too short", "r-a": "too short",
+               "r-ab": "several roots", "r-zz": "no root"}  # fmt: skip
+    for name, said in refused.items():
+        with pytest.raises(ConfigError, match=said):
+            resolve_root(catalog, name)  # type: ignore[arg-type]

@@ -81,8 +81,9 @@ def test_roots_have_manifest_files_and_drop_by_prefix(
     b = bake(audio_dir, other, store_dir)
     root, items = read_root_file(store_dir / "roots" / f"{a.root}.json")
     assert items == manifest(store_dir, a.root) and root.encoder_fp == a.encoder_fp
-    with pytest.raises(ConfigError, match="several roots"):
-        drop_root(store_dir, "r-")
+    for prefix in ("", "r", "r-", "r-" + a.root[2]):  # every root's, or too short to be one's
+        with pytest.raises(ConfigError, match="too short a prefix"):
+            drop_root(store_dir, prefix)
     with pytest.raises(ConfigError, match="no root"):
         drop_root(store_dir, "r-zzz")
     assert drop_root(store_dir, b.root[:8]).name == b.root
