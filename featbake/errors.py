@@ -89,9 +89,14 @@ class ColumnMissing(SourceError):
         self.columns = columns
 
 
-class Terminated(FeatbakeError):
+class Terminated(BaseException):
     """SIGTERM stopped the command (torchrun stopping the other ranks, SLURM, Kubernetes,
-    docker); like Ctrl-C, everything sealed before it is kept and a rerun continues."""
+    docker); like Ctrl-C, everything sealed before it is kept and a rerun continues.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is, not a :class:`FeatbakeError`: the code
+    that handles featbake's or a library's errors (an export reading a root's data, a decoder's
+    callback) must never take a stop for one of them. Before, an export went on and exited 0
+    with false warnings, and ``verify`` swallowed it."""
 
     exit_code = 143
 

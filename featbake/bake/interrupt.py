@@ -23,8 +23,7 @@ def stop_error(signum: int) -> BaseException:
     """What a stop signal becomes: KeyboardInterrupt for Ctrl-C, Terminated for SIGTERM."""
     if signum == signal.SIGTERM:
         return Terminated(
-            "stopped by SIGTERM (torchrun, SLURM, Kubernetes or docker asked this process to "
-            "stop): everything sealed so far is kept; rerun the same command to continue"
+            "stopped by SIGTERM (torchrun, SLURM, Kubernetes or docker asked this process to stop)"
         )
     return KeyboardInterrupt()
 
@@ -58,7 +57,7 @@ def _in_block() -> _Stops | None:
 
 
 @contextmanager
-def interrupt_at_safe_points() -> Iterator[Callable[[], None]]:
+def interrupt_at_safe_points(*, after: bool = True) -> Iterator[Callable[[], None]]:
     """Turn Ctrl-C and SIGTERM into an exception at the next checkpoint (between items), or at
     once where the main thread waits on other threads' work (:func:`stoppable_wait`).
 
@@ -68,7 +67,9 @@ def interrupt_at_safe_points() -> Iterator[Callable[[], None]]:
     job's processes can each receive it twice (SLURM signals every process of a step, and
     ``featbake build``'s supervisor passes its own on), and whoever sends SIGTERM escalates to
     SIGKILL after its grace period anyway. Outside the main thread (where signal handlers
-    cannot be installed) this does nothing.
+    cannot be installed) this does nothing. A signal that came after the last checkpoint
+    stops the caller as the block ends, unless ``after`` is False (an export whose output
+    was published: its work is whole, and the process ends next anyway).
     """
     if threading.current_thread() is not threading.main_thread():
         yield lambda: None
@@ -89,7 +90,7 @@ def interrupt_at_safe_points() -> Iterator[Callable[[], None]]:
         _open.remove(stops)
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-    if hits:  # a signal that came after the last checkpoint still stops the caller
+    if hits and after:  # a signal that came after the last checkpoint still stops the caller
         raise stop_error(hits[0])
 
 

@@ -646,6 +646,7 @@ SHOWN_MISMATCHES = 20
 def _spot_check(ctx: typer.Context, encoder: str | None, data: str | None, as_json: bool) -> None:
     """``verify --encoder``: the spot check of :func:`featbake.serve.spot_check.spot_check`,
     its lines (each mismatching item, the likely cause, a summary) and its exit code."""
+    from featbake.bake.interrupt import interrupt_at_safe_points
     from featbake.cli.build import recipe_of
     from featbake.serve.spot_check import Verdict, spot_check
 
@@ -654,12 +655,14 @@ def _spot_check(ctx: typer.Context, encoder: str | None, data: str | None, as_js
             "a spot check needs both --encoder and --data (as given to `featbake build`)"
         )
     p = ctx.params
-    report = spot_check(
-        data, encoder, recipe=recipe_of(p, encoder), cache=p["cache"],
-        local_cache=p["local_cache"], local_cache_size=p["local_cache_size"], sample=p["sample"],
-        seed=p["seed"], weights=p["weights"], trust_pickle=p["trust_pickle"],
-        device=p["device"], column=p["column"],
-    )  # fmt: skip
+    with interrupt_at_safe_points() as checkpoint:  # stops between items (see spot_check)
+        report = spot_check(
+            data, encoder, recipe=recipe_of(p, encoder), cache=p["cache"],
+            local_cache=p["local_cache"], local_cache_size=p["local_cache_size"],
+            sample=p["sample"], seed=p["seed"], weights=p["weights"],
+            trust_pickle=p["trust_pickle"], device=p["device"], column=p["column"],
+            checkpoint=checkpoint,
+        )  # fmt: skip
     if as_json:
         out.print_json(json.dumps(report.to_json()))
         raise typer.Exit(report.exit_code)
@@ -884,6 +887,7 @@ def export(
 
     if fmt not in EXPORT_FORMATS:  # before export/source.py's import (torch): a typo is answered
         raise ConfigError(f"unknown --format {fmt!r}; featbake exports {', '.join(EXPORT_FORMATS)}")
+    from featbake.bake.interrupt import interrupt_at_safe_points
     from featbake.export.source import drift_lines
 
     exporter = _exporter(fmt, compression)
@@ -891,11 +895,14 @@ def export(
     store = open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
     bar = progress_bar()
     try:
-        with bar:
+        # Ctrl-C and SIGTERM stop it between runs of items, once the writes of the last are
+        # done: stopped anywhere, zarr's own thread went on writing into the partial output
+        # being removed ("Directory not empty", exit 5, the partial left behind).
+        with bar, interrupt_at_safe_points(after=False) as checkpoint:
             report = exporter(
                 out_path, cache=store, root=root, overwrite=overwrite, output=output,
                 layers=chosen, rows_for=_root_rows(column, strict_rows),
-                progress=tick_bar(bar, {}), strict_rows=strict_rows,
+                progress=_checked(tick_bar(bar, {}), checkpoint), strict_rows=strict_rows,
             )  # fmt: skip
     except OSError as e:  # the OS refused a path or a write: nothing is left at OUT
         raise StoreError(export_write_error(out_path, e)) from e
@@ -935,6 +942,16 @@ def _export_layers(text: str | None) -> tuple[int, ...] | None:
 #: What to do when the OS refuses an export's write, by errno: a disk out of room or quota,
 #: or a file over the process's size limit, is not fixed by another folder on the same disk.
 _NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def _checked(progress: Callable[[Any], None], checkpoint: Callable[[], None]) -> Any:
+    """``progress``, then a stop signal's checkpoint, at each step an export reports."""
+
+    def ticked(step: Any) -> None:
+        progress(step)
+        checkpoint()
+
+    return ticked
 
 
 def export_write_error(out_path: Path, e: OSError) -> str:

@@ -1254,12 +1254,36 @@ def publish(partial: Path, out: Path) -> None:
     os.replace(partial, out)
 
 
+#: How many times a stopped export's partial folder is removed again while a library's own
+#: threads finish the writes they had started (zarr's I/O loop), and the pause between.
+DISCARD_TRIES, DISCARD_PAUSE_S = 20, 0.05
+
+
 def discard(partial: Path) -> None:
     """Remove what an earlier, killed export left at ``partial``."""
     if partial.is_dir() and not partial.is_symlink():
         shutil.rmtree(partial)
     elif partial.exists() or partial.is_symlink():
         partial.unlink()
+
+
+def discard_stopped(partial: Path) -> None:
+    """Remove the partial output of this export, stopped (Ctrl-C, SIGTERM) or failed, never
+    raising over what stopped it.
+
+    A Ctrl-C lands in the main thread while zarr's own I/O thread still writes the chunks it
+    was given: ``rmtree`` met files made behind it ("Directory not empty"), and that OSError
+    replaced the interrupt (exit 5, "nothing was left there", the partial left behind). It is
+    removed again a few times; what still stands is left for the next run, which replaces its
+    own ``OUT.partial``."""
+    for _ in range(DISCARD_TRIES):
+        try:
+            discard(partial)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(DISCARD_PAUSE_S)
 
 
 # == the seam ======================================================================================
@@ -1381,7 +1405,7 @@ def _export_alone(  # noqa: PLR0913  (export_with's arguments, passed on)
     try:
         written = fmt.write(ExportJob(src, layouts, rows, partial, progress))
     except BaseException:  # a failed or interrupted export leaves nothing (a killed one leaves
-        discard(partial)  # OUT.partial, which the next run replaces)
+        discard_stopped(partial)  # OUT.partial, which the next run replaces)
         raise
     publish(partial, out)
     return ExportReport(

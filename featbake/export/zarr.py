@@ -85,17 +85,24 @@ def _rows_per_chunk(row_bytes: int) -> int:
 def _is_replaceable_export(path: Path, finished: bool) -> bool:
     """An empty folder, or what an earlier export left: a finished one (OUT) is a Zarr v3
     group whose attributes name ``featbake_version`` (another program's Zarr store is not
-    replaced); one a killed export began (``OUT.partial``) has its ``zarr.json``."""
+    replaced); one a killed or stopped export began (``OUT.partial``) holds only Zarr's files
+    (``zarr.json`` and chunks under ``c/``), its top ``zarr.json`` perhaps removed already."""
     meta = path / "zarr.json"
+    if not finished:
+        return all(_zarr_file(f.relative_to(path)) for f in path.rglob("*") if not f.is_dir())
     if not meta.is_file():
         return not any(path.iterdir())
-    if not finished:
-        return True
     try:
         doc = json.loads(meta.read_text())
     except (OSError, ValueError):
         return False
     return isinstance(doc, dict) and "featbake_version" in (doc.get("attributes") or {})
+
+
+def _zarr_file(rel: Path) -> bool:
+    """Whether a file at ``rel`` inside a Zarr v3 store is one of Zarr's own: a node's
+    ``zarr.json`` or a chunk (a path through a ``c`` folder)."""
+    return rel.name == "zarr.json" or "c" in rel.parts[:-1]
 
 
 def check_destination(

@@ -23,7 +23,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -316,6 +316,7 @@ class _Run:
     encoding: Recipe  # the recipe the encoder runs under: float32 outputs (see unrounded)
     recorded: Mapping[str, str]  # item -> the key its build recorded (the root's manifest)
     loaded: LoadedEncoder | None = None  # loaded once, at the first item encoded
+    checkpoint: Callable[[], None] = lambda: None  # a stop signal's, before each item decoded
 
     def encoder(self) -> LoadedEncoder:
         """The encoder, loaded on first use as a dataset's miss loads it (then kept)."""
@@ -336,6 +337,7 @@ class _Run:
                 out[i] = self._absent(i, keys[i])
         decoded: dict[int, torch.Tensor] = {}
         for i in present:  # one by one: one unreadable input is its item's verdict, not all's
+            self.checkpoint()
             try:
                 decoded[i] = decode_items(self.source, self.index, [i], self.fps)[0]
             except FeatbakeError as e:
@@ -421,6 +423,7 @@ def spot_check(  # noqa: PLR0913 - the build's encoder and recipe options, and t
     trust_pickle: bool = False,
     device: str = "cpu",
     column: str | None = None,
+    checkpoint: Callable[[], None] | None = None,
 ) -> SpotCheckReport:
     """Encode a seeded sample of the items of the root (data, encoder, recipe) now and compare
     each with its stored feature, within what the stored dtype promises. Writes nothing.
@@ -432,6 +435,9 @@ def spot_check(  # noqa: PLR0913 - the build's encoder and recipe options, and t
         sample: items to check (all of the root's when it has fewer).
         seed: draws the sample: the same seed checks the same items.
         device: where the encoder runs.
+        checkpoint: called before each item is decoded: the CLI's stop signal check
+            (``featbake.bake.interrupt``), so Ctrl-C or SIGTERM stops between items (raised
+            inside a decoder's callback, the stop was ignored and the check went on).
 
     Returns:
         The report: one :class:`ItemCheck` per sampled item, and the encoder's own likely
@@ -461,6 +467,8 @@ def spot_check(  # noqa: PLR0913 - the build's encoder and recipe options, and t
     reader = FeatureReader(layout, verify="always", read_only=True)
     try:
         run = _prepared(data, encoder, recipe, live, reader, column)
+        if checkpoint is not None:
+            run.checkpoint = checkpoint
         picks = sample_of(len(run.index), sample, seed)
         checks = [c for j in range(0, len(picks), CHUNK) for c in run.check(picks[j : j + CHUNK])]
         cause = run.likely_cause(picks)

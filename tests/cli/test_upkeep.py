@@ -12,7 +12,7 @@ import pytest
 import zarr
 
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
-from tests.conftest import invoke, run_cli
+from tests.conftest import REPO, invoke, run_cli
 from tests.helpers import (
     COMMAND_THEN_MODULES,
     Live,
@@ -439,3 +439,124 @@ def test_an_eof_error_inside_a_command_is_that_error_not_aborted(
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 1 and len(lines) == 1, (r.returncode, r.stderr)
     assert "EOFError: marshal data too short" in lines[0] and "aborted" not in r.stderr
+
+
+def test_an_empty_argument_is_refused_before_anything_is_read_or_written(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """A script's unset variable: ``--cache ""`` was the current folder (a build made a store
+    there, and its gc emptied the user's ``tmp/``), ``roots drop ""`` dropped the one root
+    an empty prefix matched, ``--data ""`` built the whole current folder. Each is one line,
+    exit 2, and nothing changes."""
+    store = tmp_path / "store"
+    assert invoke("build", "-e", encoder_file, "-d", audio_dir, "--cache", store).returncode == 0
+    before = sorted(p.name for p in store.iterdir())
+    calls = [
+        ("gc", "--cache", ""),
+        ("gc", "--cache=", "--dry-run"),
+        ("roots", "--cache", store, "drop", ""),
+        ("build", "-e", encoder_file, "-d", "", "--cache", store),
+        ("export", " ", "--cache", store),
+    ]
+    for call in calls:
+        r = invoke(*call)
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and "is empty" in lines[0], (call, r.stderr)
+    assert sorted(p.name for p in store.iterdir()) == before
+    assert "r-" in invoke("roots", "--cache", store).stdout  # the root is still there
+
+
+def test_a_folder_of_the_users_is_never_made_a_store(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """``build --cache DIR`` made a store in any folder, one holding the user's own files
+    and a ``tmp/`` of theirs included (the data folder itself too): gc then emptied that
+    ``tmp/``. A folder holding files and none of a store's is refused in one line; an empty
+    or new folder, or a store, is built into as before."""
+    mine = tmp_path / "project"
+    (mine / "tmp").mkdir(parents=True)
+    (mine / "tmp" / "notes.txt").write_text("mine")
+    (mine / "train.py").write_text("print()")
+    for folder in (mine, audio_dir):
+        r = invoke("build", "-e", encoder_file, "-d", audio_dir, "--cache", folder)
+        lines = [line for line in r.stderr.splitlines() if line.strip().startswith("error")]
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert "holds files of its own" in lines[0] and "no featbake store" in lines[0]
+    assert sorted(p.name for p in mine.iterdir()) == ["tmp", "train.py"]
+    assert not list(audio_dir.rglob("*.sqlite"))
+    (tmp_path / "empty").mkdir()
+    for folder in (tmp_path / "empty", tmp_path / "new", tmp_path / "empty"):  # then a store
+        r = invoke("build", "-e", encoder_file, "-d", audio_dir, "--cache", folder)
+        assert r.returncode == 0, r.stderr
+
+
+#: A command run after ``featbake.MODULE.NAME`` is made to send this process ``SIG`` each time
+#: it is called (then do its work): a stop that lands exactly there, whatever the load.
+STOPPED_AT = """
+import os, signal, sys, importlib
+module, name, sig = sys.argv[1:4]
+m = importlib.import_module(module)
+real = getattr(m, name)
+def stopping(*args, **kwargs):
+    os.kill(os.getpid(), getattr(signal, sig))
+    return real(*args, **kwargs)
+setattr(m, name, stopping)
+from featbake.cli.main import main
+main(sys.argv[4:])
+"""
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "sig", "code"),
+    [
+        ("featbake.export.zarr", "_copy_features", "SIGINT", 130),  # as zarr writes
+        ("featbake.export.zarr", "_copy_features", "SIGTERM", 143),
+        ("featbake.encode.inputs", "DigestView", "SIGTERM", 143),  # reading the root's data
+    ],
+)
+def test_an_export_stopped_anywhere_says_so_leaves_nothing_and_reruns(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path, module: str, name: str, sig: str,
+    code: int,
+) -> None:  # fmt: skip
+    """Ctrl-C or SIGTERM mid-export: zarr's own thread went on writing while the partial
+    output was removed ("Directory not empty", exit 5, ``OUT.partial`` left, and the rerun
+    refused it); a SIGTERM while the root's data was read was taken for an unreadable input
+    (exit 0, false warnings). Each now stops between runs of items: its one line and code,
+    no OUT, no ``OUT.partial``, and the rerun exports."""
+    store = tmp_path / "store"
+    assert invoke("build", "-e", encoder_file, "-d", audio_dir, "--cache", store).returncode == 0
+    out = tmp_path / "f.zarr"
+    proc = subprocess.run(
+        [sys.executable, "-c", STOPPED_AT, module, name, sig, "export", str(out), "--cache",
+         str(store)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"},
+    )  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and ":" in line]
+    said = [line for line in lines if line.startswith(("stopped:", "interrupted:"))]
+    assert proc.returncode == code and len(said) == 1, proc.stderr
+    assert "export was not written" in said[0] and "Traceback" not in proc.stderr
+    assert not out.exists() and not (tmp_path / "f.zarr.partial").exists()
+    assert not (tmp_path / "f.zarr.lock").exists()
+    again = invoke("export", out, "--cache", store)
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_spot_check_stopped_between_items_exits_with_its_code(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """A SIGTERM raised inside decoding (soundfile's callback, or the decode itself) was taken
+    for an unreadable input, or ignored: ``verify --encoder`` went on and exited 0. It stops
+    between items now, in one line, exit 143."""
+    store = tmp_path / "store"
+    assert invoke("build", "-e", encoder_file, "-d", audio_dir, "--cache", store).returncode == 0
+    proc = subprocess.run(
+        [sys.executable, "-c", STOPPED_AT, "featbake.serve.spot_check", "decode_items",
+         "SIGTERM", "verify", "--cache", str(store), "--encoder", str(encoder_file),
+         "--data", str(audio_dir)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"},
+    )  # fmt: skip
+    said = [line for line in proc.stderr.splitlines() if line.startswith("stopped:")]
+    assert proc.returncode == 143 and len(said) == 1, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and "mismatched" not in proc.stdout
