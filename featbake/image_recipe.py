@@ -467,6 +467,16 @@ def crop_box(height: int, width: int, crop: Size) -> CropBox:
 # :func:`parse_image_options`; what is left out is decided by the encoder folder's processor or
 # :class:`~featbake.image_recipe.ImageRecipe`'s defaults.
 #: The keyword of each image option (``featbake build --image-mode`` is ``image_mode``).
+def image_option(field: str) -> str:
+    """The ``featbake build`` option of an image recipe's field (pure).
+
+    Example:
+        >>> image_option("mode"), image_option("crop")
+        ('--image-mode', '--crop')
+    """
+    return "--" + {"mode": "image-mode"}.get(field, field).replace("_", "-")
+
+
 IMAGE_OPTIONS = (
     "resize",
     "crop",

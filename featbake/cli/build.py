@@ -22,6 +22,7 @@ from featbake.cli.app import (
     console,
     examples,
     note_inert_options,
+    on_command_line,
     out,
     progress_bar,
     stdout_for_json_only,
@@ -423,6 +424,7 @@ def build(
     if batching not in BATCHING_CHOICES:
         raise ConfigError(f"--batching must be auto, padded or exact, got {batching!r}")
     recipe = recipe_of(ctx.params, encoder)
+    _note_unused(ctx, recipe.scheme is not None, batching)
     ray, workers, device = _ray_engine(engine, workers, gpus_per_worker, ray_address, device)
     chosen_views = parse_views(views)
     store = open_store(cache, local_cache=local_cache, local_cache_size=local_cache_size)
@@ -464,6 +466,16 @@ def build(
     _report(reports, as_json)
 
 
+def _note_unused(ctx: typer.Context, quantised: bool, batching: str) -> None:
+    """One yellow line for each build option given that does nothing in this build: a user
+    tuning it would otherwise see no effect and no word of why."""
+    if on_command_line(ctx, "max_error") and not quantised:
+        console.print("[yellow]note:[/] --max-error applies to --dtype int8 or fp8 builds only")
+    if on_command_line(ctx, "batch_seconds") and batching == "exact":
+        console.print("[yellow]note:[/] --batch-seconds sizes padded batches; --batching exact "
+                      "makes none")  # fmt: skip
+
+
 def _ray_engine(
     engine: str, workers: int | None, gpus: float, address: str | None, device: str
 ) -> tuple[Any, int | None, str]:
@@ -501,7 +513,7 @@ def _report(reports: list[Any], as_json: bool) -> None:
             _print_build_summary(report)
     for report in reports:
         if report.failed:
-            raise incomplete(report)
+            raise incomplete(report, "in the JSON's failed" if as_json else "listed above")
 
 
 #: What every input failing alike points at, by whose failure it is: the encoder's (a mono
@@ -520,8 +532,9 @@ POINTS_AT = {
 }
 
 
-def incomplete(report: BuildReport) -> BuildIncomplete:
-    """The error for a build that skipped inputs: each input's own, or, when every input
+def incomplete(report: BuildReport, where: str = "listed above") -> BuildIncomplete:
+    """The error for a build that skipped inputs: each input's own (``where`` they are
+    named: above, or under ``--json`` in the report's ``failed``), or, when every input
     failed the same way (see :meth:`BuildReport.common_failure`), what their one cause points
     at (:data:`POINTS_AT`, by :meth:`BuildReport.common_cause`)."""
     common, cause = report.common_failure(), report.common_cause()
@@ -530,7 +543,7 @@ def incomplete(report: BuildReport) -> BuildIncomplete:
             f"every input ({report.files}) failed the same way: {common}. {POINTS_AT[cause]}"
         )
     return BuildIncomplete(
-        f"{len(report.failed)} of {report.files} inputs failed (listed above); "
+        f"{len(report.failed)} of {report.files} inputs failed ({where}); "
         "everything else is stored. Fix or remove them and rerun; finished work is not redone"
     )
 

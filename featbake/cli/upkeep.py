@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from featbake.cli.app import (
     UPKEEP_EXIT_CODES,
@@ -25,6 +24,7 @@ from featbake.cli.app import (
     on_command_line,
     out,
     progress_bar,
+    summary_lines,
     tick_bar,
 )
 from featbake.cli.build import (
@@ -99,28 +99,28 @@ def stats(
     if as_json:
         out.print_json(json.dumps(s.to_json()))
         return
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column()
-    table.add_row("store", escape(s.path))
-    table.add_row(
-        "features",
-        f"{s.features:,} inputs, {s.tensors:,} tensors ({format_bytes(s.feature_bytes)})",
-    )
-    table.add_row("live", f"{s.live_features:,} ({format_bytes(s.live_bytes)})")
-    table.add_row("dead", f"{s.dead_features:,} ({format_bytes(s.dead_bytes)}): gc frees them")
-    table.add_row("shards", f"{s.shards:,} files, {format_bytes(s.disk_bytes)} on disk")
+    # Lines, not a rich Table: a table cut the store's path with "..." at 80 columns, and
+    # padded every line with trailing spaces (build's summary_lines rule).
+    rows = [
+        ("store", escape(s.path)),
+        (
+            "features",
+            f"{s.features:,} inputs, {s.tensors:,} tensors ({format_bytes(s.feature_bytes)})",
+        ),
+        ("live", f"{s.live_features:,} ({format_bytes(s.live_bytes)})"),
+        ("dead", f"{s.dead_features:,} ({format_bytes(s.dead_bytes)}): gc frees them"),
+        ("shards", f"{s.shards:,} files, {format_bytes(s.disk_bytes)} on disk"),
+    ]
     if s.unreferenced_bytes:
-        table.add_row("unreferenced", f"{format_bytes(s.unreferenced_bytes)} inside shards")
-    table.add_row("tmp/", f"{s.tmp_files} leftovers ({format_bytes(s.tmp_bytes)})")
-    table.add_row("catalog", format_bytes(s.catalog_bytes))
+        rows.append(("unreferenced", f"{format_bytes(s.unreferenced_bytes)} inside shards"))
+    rows.append(("tmp/", f"{s.tmp_files} leftovers ({format_bytes(s.tmp_bytes)})"))
+    rows.append(("catalog", format_bytes(s.catalog_bytes)))
     if s.tier is not None:
-        table.add_row(
-            "local tier",
-            f"{escape(s.tier.path)}: catalog version {s.tier.version}, "
-            f"{format_bytes(s.tier.bytes)} of {format_bytes(s.tier.budget)}",
-        )
-    out.print(table)
+        tier = s.tier
+        rows.append(("local tier", f"{escape(tier.path)}: catalog version {tier.version}, "
+                     f"{format_bytes(tier.bytes)} of {format_bytes(tier.budget)}"))  # fmt: skip
+    for line in summary_lines(rows):
+        out.print(line)
     _print_encoders(s.encoders)
     _print_roots(s.roots)
     _print_pending(store)
@@ -738,13 +738,19 @@ def merge(
     second merge changes nothing. Under torchrun rank 0 merges by itself.
     """
     note_inert_options(ctx, cache)
+    from featbake.errors import StoreError
     from featbake.store.open import Need, open_store, place_of
 
-    report = place_of(
-        open_store(
-            cache, need=Need.STORE, local_cache=local_cache, local_cache_size=local_cache_size
+    layout = open_store(
+        cache, need=Need.STORE, local_cache=local_cache, local_cache_size=local_cache_size
+    )
+    if layout.remote is None and not layout.holds_store_marks():  # --cache at the wrong place
+        raise StoreError(
+            f"{layout.root} is not a featbake store (none of catalog.sqlite, shards/, roots/ or "
+            "fragments/ is there): nothing to merge; point --cache (or $FEATBAKE_CACHE) at the "
+            "store the build wrote to"
         )
-    ).merge()
+    report = place_of(layout).merge()
     if as_json:
         out.print_json(json.dumps(report.to_json()))
         return
@@ -787,7 +793,8 @@ EXPORT_FORMATS = ("zarr", "parquet", "webdataset")
             "featbake export --format webdataset feats-wds --layers 6,12",
         )
         + "Read them back without featbake:\n\n"
-        "  g = zarr.open_group('feats.zarr', mode='r'); o = g['offsets'][:]\n\n"
+        "  g = zarr.open_group('feats.zarr', mode='r'); v = g['values']  # one part;\n"
+        "  g['offsets'] where the items differ in length (see the layouts above)\n\n"
         "  datasets.load_dataset('parquet', data_files='feats.parquet')\n\n"
         "  webdataset.WebDataset('feats-wds/shard-000000.tar').decode()\n\n" + UPKEEP_EXIT_CODES
     )

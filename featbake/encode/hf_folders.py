@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from featbake.errors import ConfigError, EncoderLoadError, first_line
-from featbake.image_recipe import ImageRecipe
+from featbake.image_recipe import ImageRecipe, image_option
 from featbake.keys import canonical_json, sha256_file, sha256_hex
 from featbake.recipe import TextRecipe
 
@@ -154,7 +154,7 @@ def image_steps_for(encoder: object, source: str, changes: dict[str, Any]) -> Im
         return image_recipe_for_folder(encoder, **changes)  # type: ignore[arg-type]
     if source != "image":
         raise ConfigError(
-            f"image options ({', '.join('--' + k for k in sorted(changes))}) apply to image "
+            f"image options ({', '.join(image_option(k) for k in sorted(changes))}) apply to image "
             "inputs; add --source image (a Hugging Face vision folder implies it)"
         )
     return ImageRecipe(**changes)

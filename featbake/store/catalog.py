@@ -36,7 +36,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from featbake.errors import ShardMissing, StoreCorrupt, StoreError
+from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
 from featbake.process import PerThread, ProcessLocalState, critical_section
 from featbake.store.fidelity import Measured, fidelity_file, write_fidelity
 from featbake.store.files import fsync_dir, fsync_file, holding, remove_file, temporary_path
@@ -403,9 +403,29 @@ class Access(StrEnum):
     IMMUTABLE = "immutable"  # immutable=1: a directory nobody can write, read as a snapshot
 
 
+#: How ``$FEATBAKE_READ_ONLY`` is read: these say yes, these no (any case, spaces around).
+READ_ONLY_YES = frozenset({"1", "true", "yes", "on"})
+READ_ONLY_NO = frozenset({"", "0", "false", "no", "off"})
+
+
 def read_only_forced() -> bool:
-    """Whether ``$FEATBAKE_READ_ONLY`` says this process must not write to any store."""
-    return os.environ.get(READ_ONLY_ENV, "") not in ("", "0")
+    """Whether ``$FEATBAKE_READ_ONLY`` says this process must not write to any store.
+
+    Before, any value but ``0`` said yes: ``FEATBAKE_READ_ONLY=false`` made every build fail
+    "read-only here (FEATBAKE_READ_ONLY=1)".
+
+    Raises:
+        ConfigError: a value that is neither a yes nor a no.
+    """
+    value = os.environ.get(READ_ONLY_ENV, "").strip().lower()
+    if value in READ_ONLY_YES:
+        return True
+    if value in READ_ONLY_NO:
+        return False
+    raise ConfigError(
+        f"{READ_ONLY_ENV}={os.environ[READ_ONLY_ENV]!r} is neither yes nor no; set it to 1 to "
+        "open stores read-only, or to 0 (or unset it)"
+    )
 
 
 def read_only_here(layout: Layout) -> StoreError:

@@ -157,6 +157,16 @@ class Layout:
                 "over, delete the store folder)"
             )
 
+    def holds_store_marks(self) -> bool:
+        """Whether the folder holds any of what only a store holds (:data:`STORE_MARKS`): a
+        command that reads or tidies a store (merge, verify) refuses a folder that does not,
+        as ``--cache`` pointing at the wrong place."""
+        try:
+            with os.scandir(self.root) as it:
+                return any(e.name in STORE_MARKS for e in it)
+        except OSError:
+            return False
+
     def refuse_foreign_folder(self) -> None:
         """Refuse to make a store in a folder that holds files and no store (see :meth:`ensure`).
 
@@ -170,7 +180,7 @@ class Layout:
                 entries = sorted(e.name for e in it)
         except OSError:
             return  # not there yet (made below), or unreadable (said where it is made)
-        if not entries or any(name in STORE_MARKS for name in entries):
+        if not entries or STORE_MARKS.intersection(entries):
             return
         raise ConfigError(
             f"{self.root} holds files of its own ({entries[0]!r}, ...) and no featbake store; "
@@ -200,9 +210,14 @@ class Layout:
             for d in (self.root, self.shards, self.tmp):
                 d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
+            where = (
+                "--local-cache DIR or $FEATBAKE_LOCAL_CACHE (this node's tier of the bucket)"
+                if self.remote is not None
+                else "--cache DIR or $FEATBAKE_CACHE"
+            )
             raise StoreError(
                 f"cannot create the cache directory {self.root}: {e.strerror}; "
-                "choose a writable place with --cache DIR or $FEATBAKE_CACHE"
+                f"choose a writable place with {where}"
             ) from e
         return self
 

@@ -95,13 +95,6 @@ def refuse_while_rebuild_pending(layout: Layout) -> None:
         )
 
 
-def looks_like_store(layout: Layout) -> bool:
-    """Whether the folder holds anything of a store: a catalog, ``shards/`` or ``roots/``."""
-    return any(
-        os.path.lexists(p) for p in (layout.catalog, layout.shards, layout.roots, layout.quarantine)
-    )
-
-
 def existing_store(store: StoreRef, **place: Any) -> Layout:
     """The layout of the store at ``store`` (a :class:`Layout` is taken as it is); ``place``
     takes :func:`~featbake.store.open.open_store`'s ``local_cache`` and ``local_cache_size``.
@@ -113,7 +106,7 @@ def existing_store(store: StoreRef, **place: Any) -> Layout:
     """
     layout = open_store(store, need=Need.STORE, **place)
     folder = place_of(layout).verify_scope() is VerifyScope.FOLDER  # else: objects elsewhere
-    if folder and not looks_like_store(layout):
+    if folder and not layout.holds_store_marks():
         raise StoreError(
             f"{layout.root} is not a featbake store (no catalog.sqlite, shards/ or roots/); "
             "point --cache (or $FEATBAKE_CACHE) at a store"

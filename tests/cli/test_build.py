@@ -902,6 +902,7 @@ CHECKED_BEFORE_THE_ENCODER = {
     "--batching x": "--batching must be auto, padded or exact",
     "--layers x": "--layers takes whole numbers",
     "--crop 3": "image options (--crop) apply to image inputs",
+    "--image-mode L": "image options (--image-mode) apply",  # the option, not the field's
     "--max-tokens 3": "text options (--max-tokens",
     "--engine y": "--engine must be local or ray",
     "--views hflip --workers -1": "--views hflip applies to image inputs",
@@ -1226,3 +1227,17 @@ def test_the_build_child_lets_openmp_threads_sleep_on_a_busy_node_unless_the_use
     assert set((tmp_path / "wait.log").read_text().split()) == {seen}
     summary = dict(line.split(maxsplit=1) for line in res.stdout.splitlines())
     assert summary["encoded"] == summary["files"] == "16"
+
+
+def test_an_option_that_does_nothing_in_the_build_is_noted(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """``--max-error`` without int8/fp8 and ``--batch-seconds`` under exact batching were taken
+    in silence: a user tuning them saw no effect and no word of why. One note each."""
+    args = ["build", "-e", encoder_file, "-d", audio_dir, "--cache", tmp_path / "s"]
+    r = invoke(*args, "--max-error", "0.01", "--batching", "exact", "--batch-seconds", "10")
+    assert r.returncode == 0, r.stderr
+    notes = [line for line in r.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 2 and "--max-error" in notes[0] and "--batch-seconds" in notes[1], notes
+    r = invoke(*args, "--dtype", "int8", "--max-error", "0.01")
+    assert r.returncode == 0 and "note:" not in r.stderr, r.stderr

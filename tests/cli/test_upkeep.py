@@ -560,3 +560,18 @@ def test_a_spot_check_stopped_between_items_exits_with_its_code(
     said = [line for line in proc.stderr.splitlines() if line.startswith("stopped:")]
     assert proc.returncode == 143 and len(said) == 1, (proc.returncode, proc.stderr)
     assert "Traceback" not in proc.stderr and "mismatched" not in proc.stdout
+
+
+def test_merge_of_a_folder_that_is_not_a_store_is_refused(tmp_path: Path) -> None:
+    """``merge --cache`` at a folder of another program's files (or an empty one) said
+    "nothing to merge", exit 0: a job merging into the wrong place succeeded. Refused in one
+    line, exit 5, as stats, gc and verify refuse it."""
+    other = tmp_path / "otherprog"
+    other.mkdir()
+    (other / "data.txt").write_text("x")
+    (tmp_path / "empty").mkdir()
+    for folder in (other, tmp_path / "empty"):
+        r = invoke("merge", "--cache", folder)
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 5 and len(lines) == 1 and "not a featbake store" in lines[0], r
+    assert sorted(p.name for p in other.iterdir()) == ["data.txt"]

@@ -1062,3 +1062,38 @@ def test_a_drop_that_does_not_commit_leaves_the_root_whole(
     with Catalog(layout) as catalog:
         assert catalog.drop_root(report.root)
     assert not live.exists() and not (store_dir / "roots" / f"{report.root}.dropped").exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "forced"),
+    [
+        ("1", True),
+        ("true", True),
+        (" Yes ", True),
+        ("ON", True),
+        ("", False),
+        ("0", False),
+        ("false", False),
+        ("No", False),
+        ("off", False),
+    ],
+)
+def test_featbake_read_only_reads_yes_and_no(
+    monkeypatch: pytest.MonkeyPatch, value: str, forced: bool
+) -> None:
+    """Any value but ``0`` forced read-only: ``FEATBAKE_READ_ONLY=false`` made every build
+    fail "read-only here (FEATBAKE_READ_ONLY=1)". The usual words for yes and no are read as
+    such; anything else is refused in one line naming it."""
+    from featbake.store.catalog import read_only_forced
+
+    monkeypatch.setenv("FEATBAKE_READ_ONLY", value)
+    assert read_only_forced() is forced
+
+
+def test_featbake_read_only_of_another_word_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from featbake.errors import ConfigError
+    from featbake.store.catalog import read_only_forced
+
+    monkeypatch.setenv("FEATBAKE_READ_ONLY", "maybe")
+    with pytest.raises(ConfigError, match="FEATBAKE_READ_ONLY='maybe' is neither yes nor no"):
+        read_only_forced()
