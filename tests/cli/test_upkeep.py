@@ -143,13 +143,15 @@ def test_stats_and_roots_fit_80_columns_and_count_one_way(
         res = invoke(cmd, "--cache", store_dir, env=env)
         assert res.returncode == 0, res.stderr
         lines = res.stdout.splitlines()
-        paths = (str(data), str(multi_encoder_file))  # a path is never split: it may run past
+        # a path is never split or cut: it may run past (the store's was cut with "...")
+        paths = (str(data), str(multi_encoder_file), str(store_dir))
         long = [ln for ln in lines if len(ln) > 80 and not any(p in ln for p in paths)]
         assert not long, res.stdout
         assert any(report.root in ln for ln in lines)  # the whole name, never cut
         head = next(ln for ln in lines if ln.startswith(report.root))
         assert re.search(r"last used \d{4}-\d\d-\d\d \d\d:\d\d$", head), head
         assert any(ln.strip() == f"data     {data}" for ln in lines)  # the path whole
+        assert cmd == "roots" or f"store     {store_dir}" in lines, res.stdout
     stats = invoke("stats", "--cache", store_dir, env=env).stdout
     assert "16 inputs, 32 tensors" in stats
     assert re.search(r"^[0-9a-f]{12}  32 tensors, ", stats, re.MULTILINE), stats
