@@ -234,7 +234,7 @@ def layout_at(cache: str | os.PathLike[str] | None) -> Layout:
     for None); nothing is created.
 
     Raises:
-        ConfigError: ``cache`` is a URL (``s3://...``): bucket stores are opened by
+        ConfigError: ``cache`` is blank, or a URL (``s3://...``): bucket stores are opened by
             :func:`featbake.store.open.open_store`, and a URL read as a path would make a local
             folder named ``s3:``.
 
@@ -244,6 +244,10 @@ def layout_at(cache: str | os.PathLike[str] | None) -> Layout:
     """
     where = os.fspath(cache) if cache is not None else os.environ.get("FEATBAKE_CACHE")
     where = where or ".featbake"
+    if not where.strip():  # " ": a folder no listing shows (FEATBAKE_CACHE=" " made one)
+        raise ConfigError(
+            f"the store path {where!r} is blank ($FEATBAKE_CACHE or --cache); give a folder"
+        )
     if is_url(where):
         raise ConfigError(
             f"{where!r} is a bucket URL, and this needs a store directory; pass a directory, or "

@@ -122,3 +122,17 @@ def test_a_root_is_named_whole_or_by_a_prefix_of_two_characters_past_r() -> None
     for name, said in refused.items():
         with pytest.raises(ConfigError, match=said):
             resolve_root(catalog, name)  # type: ignore[arg-type]
+
+
+def test_a_blank_store_path_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``FEATBAKE_CACHE=" "`` made a store in a folder named " " (no listing shows it), where
+    an empty value is the default ``./.featbake``. A blank path is one line."""
+    from featbake.errors import ConfigError
+    from featbake.store.open import open_store
+
+    monkeypatch.chdir(tmp_path)
+    for blank in (" ", "\t"):
+        monkeypatch.setenv("FEATBAKE_CACHE", blank)
+        with pytest.raises(ConfigError, match="is blank"):
+            open_store(None).ensure()
+    assert list(tmp_path.iterdir()) == []
