@@ -1251,29 +1251,36 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"_buffers"}
 
 
 class TreeState(NamedTuple):
-    """What one walk of a module tree found that keeps caching off: whether a submodule is
-    in train mode, and the tensors held outside the parameters that require grad."""
+    """What one walk of a module tree found that keeps caching off: whether a submodule may
+    run in train mode (its ``.training``, or a ``torch.fx`` graph, whose ops say: read by
+    :func:`training_submodule`), how many parameters require grad, and the tensors held
+    outside the parameters that require grad."""
 
     training: bool
+    trainable: int
     held_trainable: list[str]
 
 
 def tree_state(module: nn.Module, *, held: bool) -> TreeState:
-    """One walk of ``module``'s tree (~2 us a submodule): whether any runs in train mode and,
+    """One walk of ``module``'s tree (~2 us a submodule): whether any may run in train mode,
+    how many parameters require grad (each once, as ``parameters()`` counts a tied one) and,
     with ``held``, the names of the tensors it holds outside its parameters (buffers, plain
     tensor attributes and those in lists, tuples and dicts) that require grad: a learned
     prompt kept as a plain tensor, which a cached row would drop from the graph."""
     training, found = False, []
+    trainable: set[int] = set()  # ids: a tied parameter counted once
     for sub in module.modules():
         attrs = vars(sub)
-        training = training or bool(attrs.get("training"))
+        training = training or bool(attrs.get("training")) or isinstance(sub, torch.fx.GraphModule)
+        trainable.update(id(p) for p in attrs["_parameters"].values() if p is not None
+                         and p.requires_grad)  # fmt: skip
         if not held:
             continue
         for attr in attrs.keys() - _MODULE_INTERNALS:
             if _requires_grad(attrs[attr]):
                 name = next(n for n, m in module.named_modules() if m is sub)
                 found.append(f"{name}.{attr}" if name else attr)
-    return TreeState(training, sorted(found))
+    return TreeState(training, len(trainable), sorted(found))
 
 
 def _requires_grad(value: Any) -> bool:
@@ -1622,15 +1629,13 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         # Under no_grad (a frozen teacher's usual call) no gradient could flow: held tensors
         # are not read. Dropout in one submodule makes every call differ.
         tree = tree_state(self.encoder, held=torch.is_grad_enabled())
-        training = None
-        if tree.training or isinstance(self.encoder, torch.fx.GraphModule):
-            training = training_submodule(self.encoder)  # named: a second walk, only then
+        # named (a second walk) only where one may run in train mode
+        training = training_submodule(self.encoder) if tree.training else None
         if training is not None:
             reasons.append(f"the encoder is in training mode: {training} (call .eval() on it)")
-        trainable = sum(p.requires_grad for p in self.encoder.parameters())
-        if trainable:
+        if tree.trainable:
             reasons.append(
-                f"{trainable} encoder parameters require grad (call .requires_grad_(False) "
+                f"{tree.trainable} encoder parameters require grad (call .requires_grad_(False) "
                 "on it; .eval() alone does not)"
             )
         held = tree.held_trainable
