@@ -738,18 +738,14 @@ def merge(
     second merge changes nothing. Under torchrun rank 0 merges by itself.
     """
     note_inert_options(ctx, cache)
-    from featbake.errors import StoreError
     from featbake.store.open import Need, open_store, place_of
+    from featbake.upkeep.files import refuse_unmarked
 
     layout = open_store(
         cache, need=Need.STORE, local_cache=local_cache, local_cache_size=local_cache_size
     )
-    if layout.remote is None and not layout.holds_store_marks():  # --cache at the wrong place
-        raise StoreError(
-            f"{layout.root} is not a featbake store (none of catalog.sqlite, shards/, roots/ or "
-            "fragments/ is there): nothing to merge; point --cache (or $FEATBAKE_CACHE) at the "
-            "store the build wrote to"
-        )
+    if layout.remote is None:  # --cache at the wrong place: nothing to merge there
+        refuse_unmarked(layout)
     report = place_of(layout).merge()
     if as_json:
         out.print_json(json.dumps(report.to_json()))

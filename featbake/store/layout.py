@@ -157,15 +157,20 @@ class Layout:
                 "over, delete the store folder)"
             )
 
+    def _entries(self) -> list[str] | None:
+        """The names in the store's folder, sorted; None where it cannot be listed (not there
+        yet, or unreadable)."""
+        try:
+            with os.scandir(self.root) as it:
+                return sorted(e.name for e in it)
+        except OSError:
+            return None
+
     def holds_store_marks(self) -> bool:
         """Whether the folder holds any of what only a store holds (:data:`STORE_MARKS`): a
         command that reads or tidies a store (merge, verify) refuses a folder that does not,
         as ``--cache`` pointing at the wrong place."""
-        try:
-            with os.scandir(self.root) as it:
-                return any(e.name in STORE_MARKS for e in it)
-        except OSError:
-            return False
+        return bool(STORE_MARKS.intersection(self._entries() or ()))
 
     def refuse_foreign_folder(self) -> None:
         """Refuse to make a store in a folder that holds files and no store (see :meth:`ensure`).
@@ -175,11 +180,7 @@ class Layout:
         """
         if self.remote is not None:
             return  # a bucket's tier folder: featbake's own
-        try:
-            with os.scandir(self.root) as it:
-                entries = sorted(e.name for e in it)
-        except OSError:
-            return  # not there yet (made below), or unreadable (said where it is made)
+        entries = self._entries()  # None: made below, or unreadable (said where it is made)
         if not entries or STORE_MARKS.intersection(entries):
             return
         raise ConfigError(

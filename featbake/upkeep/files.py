@@ -95,6 +95,21 @@ def refuse_while_rebuild_pending(layout: Layout) -> None:
         )
 
 
+def refuse_unmarked(layout: Layout) -> None:
+    """Refuse a store folder that holds none of a store's files (``--cache`` pointing at the
+    wrong place): verify, repair and merge would report on, or turn into a store, someone's
+    folder.
+
+    Raises:
+        StoreError: it holds none, with what to do.
+    """
+    if not layout.holds_store_marks():
+        raise StoreError(
+            f"{layout.root} is not a featbake store (none of catalog.sqlite, shards/, roots/ or "
+            "fragments/ is there); point --cache (or $FEATBAKE_CACHE) at the store"
+        )
+
+
 def existing_store(store: StoreRef, **place: Any) -> Layout:
     """The layout of the store at ``store`` (a :class:`Layout` is taken as it is); ``place``
     takes :func:`~featbake.store.open.open_store`'s ``local_cache`` and ``local_cache_size``.
@@ -106,11 +121,8 @@ def existing_store(store: StoreRef, **place: Any) -> Layout:
     """
     layout = open_store(store, need=Need.STORE, **place)
     folder = place_of(layout).verify_scope() is VerifyScope.FOLDER  # else: objects elsewhere
-    if folder and not layout.holds_store_marks():
-        raise StoreError(
-            f"{layout.root} is not a featbake store (no catalog.sqlite, shards/ or roots/); "
-            "point --cache (or $FEATBAKE_CACHE) at a store"
-        )
+    if folder:
+        refuse_unmarked(layout)
     if folder and not layout.holds_anything_built():  # what a build that failed at once left
         raise StoreError(
             f"nothing is built in {layout.root} yet (no catalog.sqlite, shard files or root "
