@@ -43,7 +43,7 @@ from featbake.progress import GcProgress
 from featbake.store.catalog import Catalog, Location
 from featbake.store.features import ShardHandles
 from featbake.store.fidelity import QUANTISED
-from featbake.store.files import Taken, is_same_file, lock_taken, write_all
+from featbake.store.files import Taken, is_same_file, lock_taken, opened_lock, write_all
 from featbake.store.hash_cache import HashCache
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, open_catalog, resolve_root
@@ -1226,24 +1226,24 @@ def exporting_alone(out: Path) -> Iterator[None]:
     Raises:
         ConfigError: another export to ``out`` holds the lock.
     """
-    lock = out.with_name(out.name + ".lock")
+    path = out.with_name(out.name + ".lock")
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        if lock_taken(fd) is Taken.HELD:
-            os.close(fd)
+        lock = opened_lock(path, os.O_RDWR | os.O_CREAT)  # the one way a lock is opened
+        if lock_taken(lock.fd) is Taken.HELD:
+            lock.close()
             raise ConfigError(
-                f"another export to {out} is running (it holds {lock}); wait for it to end, "
+                f"another export to {out} is running (it holds {path}); wait for it to end, "
                 "or choose another OUT"
             )
-        if is_same_file(lock, fd):
+        if is_same_file(path, lock.fd):
             break
-        os.close(fd)  # the export that held it ended and removed it: take the one there now
+        lock.close()  # the export that held it ended and removed it: take the one there now
     try:
         yield
     finally:
         with contextlib.suppress(OSError):
-            lock.unlink()
-        os.close(fd)
+            path.unlink()
+        lock.close()
 
 
 def publish(partial: Path, out: Path) -> None:
