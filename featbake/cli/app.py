@@ -6,6 +6,7 @@ import contextlib
 import os
 import sys
 import time
+import unicodedata
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,28 @@ def piped_width(env: Mapping[str, str]) -> int:
 
 
 console = make_console(stderr=True)
+
+
+def one_line(text: str) -> str:
+    """``text`` with its control characters written as escapes (a newline as ``\\n``).
+
+    A path may hold a newline or a carriage return; printed as it is, an error naming it would
+    be two lines, or one overwritten, where every featbake error is one line a log can grep.
+    """
+    if text.isprintable():
+        return text
+    return "".join(
+        ch.encode("unicode_escape").decode("ascii") if unicodedata.category(ch) == "Cc" else ch
+        for ch in text
+    )
+
+
+def red_line(label: str, message: str) -> None:
+    """Print ``label: message`` on stderr as one line, the label in red: how every error,
+    stop and interruption a command ends with is said."""
+    console.print(f"[bold red]{label}:[/] {escape(one_line(message))}", soft_wrap=True)
+
+
 out = make_console()
 
 

@@ -12,7 +12,6 @@ import warnings
 from typing import NoReturn
 
 import typer
-from rich.markup import escape
 
 from featbake.bake.interrupt import raise_on_sigterm
 
@@ -21,7 +20,7 @@ from featbake.cli import (
     build,  # noqa: F401
     upkeep,  # noqa: F401  (registers stats, roots, gc, verify, merge, export)
 )
-from featbake.cli.app import app, console
+from featbake.cli.app import app, console, one_line, red_line
 from featbake.cli.supervise import (
     in_part,
     leave_child,
@@ -33,7 +32,8 @@ from featbake.errors import FeatbakeError, Terminated
 
 
 def _one_line_warning(message: object, category: type, *_: object, **__: object) -> str:
-    return f"featbake: {message}\n"  # e.g. the shared-filesystem notice: one line, no source
+    # e.g. the shared-filesystem notice: one line, no source
+    return f"featbake: {one_line(str(message))}\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,9 +116,10 @@ def _refuse_empty(args: list[str]) -> None:
     """Exit 2 with one line where an argument is empty (:func:`empty_argument`)."""
     empty = empty_argument(args)
     if empty is not None:
-        console.print(
-            f"[bold red]error:[/] {escape(empty)} is empty (an unset variable in a script?); "
-            "give it a value (nothing was read or written)"
+        red_line(
+            "error",
+            f"{empty} is empty (an unset variable in a script?); "
+            "give it a value (nothing was read or written)",
         )
         sys.exit(2)
 
@@ -148,23 +149,21 @@ def _run_app(argv: list[str] | None) -> None:
         code = app(args=argv, standalone_mode=False)
         if isinstance(code, int) and code != 0:
             if code == 130:
-                console.print(f"[bold red]interrupted:[/] {interrupted_line(argv)}")
+                red_line("interrupted", interrupted_line(argv))
             sys.exit(code)
     except FeatbakeError as e:
         if os.environ.get("FEATBAKE_DEBUG"):
             raise
-        line = in_part(str(e), failed=True)
-        console.print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True)
+        red_line("error", in_part(str(e), failed=True))
         sys.exit(e.exit_code)
     except Terminated as e:
         # A stop asked for from outside is not a failure of its own: under torchrun the rank
         # that failed prints the one `error:` line, and the ranks torchrun then stops say so,
         # with what stopping left (this command's, not the build's words).
-        line = in_part(f"{e}: {interrupted_line(argv)}", failed=False)
-        console.print(f"[bold red]stopped:[/] {escape(line)}", soft_wrap=True)
+        red_line("stopped", in_part(f"{e}: {interrupted_line(argv)}", failed=False))
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        console.print(f"[bold red]interrupted:[/] {interrupted_line(argv)}")
+        red_line("interrupted", interrupted_line(argv))
         sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)
@@ -173,7 +172,7 @@ def _run_app(argv: list[str] | None) -> None:
             # Click turns an EOFError raised anywhere in a command (a truncated gzip or pickle
             # a library read) into Abort: it is that error, not the user's "aborted".
             _exit_on_other_error(e.__cause__)
-        console.print("[bold red]aborted")
+        console.print("[bold red]aborted")  # the user said no: nothing more to say
         sys.exit(130)
     except Exception as e:
         _exit_on_other_error(e)
@@ -189,14 +188,14 @@ def _exit_on_other_error(e: Exception) -> NoReturn:
         if line is None:
             show()
         else:
-            console.print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True)
+            red_line("error", line)
         sys.exit(code)
     if os.environ.get("FEATBAKE_DEBUG"):
         raise e
     message = in_part(f"{type(e).__name__}: {e}")
-    console.print(
-        f"[bold red]internal error:[/] {escape(message)} "
-        "(rerun with FEATBAKE_DEBUG=1 for a traceback, and please report it)"
+    red_line(
+        "internal error",
+        f"{message} (rerun with FEATBAKE_DEBUG=1 for a traceback, and please report it)",
     )
     sys.exit(1)
 

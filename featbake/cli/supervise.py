@@ -74,13 +74,11 @@ def supervise_if_build(args: Sequence[str]) -> None:
 
 def report_abrupt_end(code: int) -> NoReturn:
     """Say in one line that the watched build ended abruptly (status ``code``), and exit."""
-    from rich.markup import escape  # rich: only when there is something to say
-
-    from featbake.cli.app import console
+    from featbake.cli.app import red_line  # rich: only when there is something to say
     from featbake.errors import BuildProcessDied
 
     error = BuildProcessDied(abrupt_line(code))
-    console.print(f"[bold red]error:[/] {escape(in_part(str(error)))}", soft_wrap=True)
+    red_line("error", in_part(str(error)))
     sys.exit(error.exit_code)
 
 

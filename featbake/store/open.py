@@ -122,6 +122,7 @@ def _layout_of(
     url = BucketURL.parse(where)
     base = local_cache or os.environ.get("FEATBAKE_LOCAL_CACHE")
     tier = Path(base) if base else Path.home() / ".cache" / "featbake" / "buckets"
+    _refuse_tier_in_store(tier)
     size = local_cache_size or os.environ.get("FEATBAKE_LOCAL_CACHE_SIZE")
     budget = parse_bytes(size or DEFAULT_LOCAL_CACHE_SIZE)
     # endpoint, bucket, prefix: never a credential (an s3 endpoint's folder is as it was)
@@ -149,6 +150,27 @@ def _refuse_tier(layout: Layout) -> None:
         f"{layout.root} is the local tier of the bucket store {url}, not a store of its own; "
         f"use --cache {url} (with --local-cache pointing above this folder)"
     )
+
+
+def _refuse_tier_in_store(tier: Path) -> None:
+    """A bucket's tier inside a directory store would put its folders among the store's own
+    (every listing of the store would hold them, and a repair or a move of the store takes
+    them along); a tier is a folder of its own.
+
+    Raises:
+        ConfigError: ``tier`` or a folder above it is a directory store (a catalog, and no
+            tier's marks).
+    """
+    for folder in (tier.absolute(), *tier.absolute().parents):
+        if not (folder / "catalog.sqlite").is_file():
+            continue
+        if (folder / TIER_MARK).is_file() or (folder / "catalog.version").is_file():
+            return  # a bucket prefix's own tier folder, above another prefix's: refused later
+        raise ConfigError(
+            f"the bucket's local cache {tier} (--local-cache) is inside the featbake store "
+            f"{folder}; give it a folder of its own, outside any store (default "
+            "~/.cache/featbake/buckets, or $FEATBAKE_LOCAL_CACHE)"
+        )
 
 
 def _require_directory(layout: Layout) -> None:

@@ -20,6 +20,8 @@ from tests.helpers import (
     assert_serves,
     bake,
     commands_then_modules,
+    one_red_line,
+    printed,
     shard_files,
 )
 
@@ -91,6 +93,25 @@ def test_commands_on_a_missing_store_print_one_line(tmp_path: Path) -> None:
     assert proc.stderr.strip().startswith("error:") and len(proc.stderr.strip().splitlines()) == 1
     help_text = invoke("verify", "--help")
     assert "10" in help_text.stdout and "11" in help_text.stdout
+
+
+@pytest.mark.parametrize("name", ["a\nb", "a\rb", "a\x1b[2Jb"])
+def test_an_error_naming_a_path_with_a_control_character_stays_one_line(
+    tmp_path: Path, name: str
+) -> None:
+    # A newline (or a carriage return, or a terminal's escape) in a path printed as it is
+    # would split the one error line a log greps, or overwrite it.
+    odd = tmp_path / name
+    odd.mkdir()
+    escaped = name.encode("unicode_escape").decode("ascii")
+    for proc, code in (
+        (invoke("stats", "--cache", odd), 5),
+        (invoke("build", "--encoder", odd / "e.pt", "--data", odd, "--cache", tmp_path / "s"), 4),
+    ):
+        assert proc.returncode == code, printed(proc)
+        line = one_red_line(proc)
+        assert line.startswith("error:") and escaped in line and "\r" not in proc.stderr[:-1]
+        assert "\x1b" not in proc.stderr, line
 
 
 @pytest.mark.slow

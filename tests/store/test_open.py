@@ -12,6 +12,7 @@ import torch
 from featbake.errors import ConfigError
 from featbake.serve.cached_encoder import CachedEncoder
 from featbake.serve.dataset import CachedFeatureDataset
+from featbake.store.catalog import Catalog
 from featbake.store.open import open_store
 from featbake.store.url import BucketURL
 from tests.conftest import invoke
@@ -136,3 +137,19 @@ def test_a_blank_store_path_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path
         with pytest.raises(ConfigError, match="is blank"):
             open_store(None).ensure()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("inside", [".", "tiers", "shards/tiers"])
+def test_a_bucket_tier_inside_a_directory_store_is_refused(tmp_path: Path, inside: str) -> None:
+    """A tier in a store's folder puts the bucket's folders among the store's own."""
+    store = tmp_path / "store"
+    with Catalog(open_store(store)) as catalog:  # a directory store: its catalog made
+        catalog.conn.execute("SELECT 1")
+    assert (store / "catalog.sqlite").is_file()
+    before = sorted(p.name for p in store.iterdir())
+    with pytest.raises(ConfigError, match=r"local cache .* is inside the featbake store"):
+        open_store("s3://team/features", local_cache=store / inside)
+    got = invoke("stats", "--cache", "s3://team/features", "--local-cache", store / inside)
+    assert got.returncode == 2 and "outside any store" in got.stderr, got.stderr
+    assert len(got.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in store.iterdir()) == before  # nothing made in the store
