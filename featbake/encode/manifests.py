@@ -89,11 +89,13 @@ from featbake.encode.fingerprints import (
     resolve_path,
 )
 from featbake.encode.sources import (
+    SampleRule,
     ScanResult,
     SkippedInput,
     Source,
     Span,
     file_stat_or_none,
+    lhotse_samples,
     span_problem,
 )
 from featbake.errors import ColumnMissing, ConfigError, SourceError
@@ -195,14 +197,17 @@ def channel_of(value: Any) -> int | None:
     return out
 
 
-def span_of(start: Any, end: Any, channel: int | None) -> Span | None:
+def span_of(
+    start: Any, end: Any, channel: int | None, rule: SampleRule = SampleRule.NEAREST
+) -> Span | None:
     """The segment a row names (None: the whole file). No start is 0; no end is the
     recording's end (an infinite end, checked against the file's header when it is hashed or
     decoded), so ``[0, end of file)`` of all channels is the whole file, keyed as the file.
+    ``rule``: how its seconds become samples (a lhotse cut's as lhotse counts them).
 
     Example:
         >>> span_of("1.5", None, None)
-        Span(start=1.5, end=inf, channel=None)
+        Span(start=1.5, end=inf, channel=None, rule=<SampleRule.NEAREST: 'nearest'>)
         >>> span_of(0, None, None) is None
         True
 
@@ -215,7 +220,7 @@ def span_of(start: Any, end: Any, channel: int | None) -> Span | None:
         raise BadRow(f"start {first} is not before end {last}")
     if first == 0.0 and last == float("inf") and channel is None:
         return None
-    return Span(first, last, channel)
+    return Span(first, last, channel, rule)
 
 
 def input_file(value: Any, base: str, column: str) -> str:
@@ -997,16 +1002,25 @@ class KaldiInputs(RowInputs):
         each of its segments fails with that); a piped entry refuses the folder.
 
         Raises:
-            SourceError: an entry is a command (``cmd |``), not a file.
+            SourceError: an entry is a command (``cmd |``), not a file, or a recording id is
+                on two lines (which file its segments are cut from would be a guess).
         """
         scp = os.path.join(self.origin, "wav.scp")
         out: dict[str, Placed | Unplaced] = {}
+        first_lines: dict[str, int] = {}
         paths = self.tool_paths(scp)
         for line, fields in kaldi_lines(scp):
             if len(fields) < 2:
                 parsed.skipped.append(SkippedInput(f"wav.scp:{line}", "no file after the id"))
                 continue
             rec, value = fields[0], " ".join(fields[1:])
+            if rec in first_lines:
+                raise SourceError(
+                    f"recording id {rec!r} is on lines {first_lines[rec]} and {line} of {scp}; "
+                    "ids must be unique (Kaldi's validate_data_dir.sh refuses it too): give "
+                    "each recording its own id"
+                )
+            first_lines[rec] = line
             if value.endswith("|"):
                 raise SourceError(
                     f"{scp}:{line}: recording {rec} is a command ({value!r}), and featbake "
@@ -1086,9 +1100,23 @@ def segment_item(
     if isinstance(placed, Unplaced):
         raise BadRow(f"recording {rec} ({placed.where}): {placed.why}")
     row = {"recording": rec, **kaldi_row(utt, carried)}
-    # Kaldi's end -1: to the end of the recording (the span's end is then the file's).
-    span = span_of(start, None if end == "-1" else end, None)
+    span = span_of(start, None if kaldi_to_end(end) else end, None)
     return utt, Item(placed.file, span, where, row)
+
+
+def kaldi_to_end(end: str) -> bool:
+    """Whether a ``segments`` end is Kaldi's "to the end of the recording": the number -1,
+    however it is written (``extract-segments`` compares the parsed number, so ``-1.00`` from
+    a ``%.2f`` writer means it too); the span's end is then the file's.
+
+    Example:
+        >>> [kaldi_to_end(e) for e in ("-1", "-1.00", "-1e0", "1.00", "-1.5", "x")]
+        [True, True, True, False, False, False]
+    """
+    try:
+        return float(end) == -1.0
+    except ValueError:
+        return False  # not a number: the span says so
 
 
 # == cuts ==========================================================================================
@@ -1282,7 +1310,7 @@ def cut_item(cut: Mapping[str, Any], paths: ToolPaths, where: str) -> tuple[str,
         start = seconds(cut.get("start", 0.0), "start")
         duration = cut.get("duration")  # none: to the recording's end
         end = None if duration is None else start + seconds(duration, "duration")
-        span = span_of(start, end, source.picked)
+        span = span_of(start, end, source.picked, SampleRule.LHOTSE)
         effects = (
             lhotse_audio(cut, rec, source.file, paths.folder_of(source.file))
             if rec.get("transforms")
@@ -1360,9 +1388,10 @@ class LhotseAudio:
         return np.asarray(audio, dtype=np.float32)
 
     def bounds(self) -> tuple[int, int | None]:
-        """The cut's first and past-the-last sample at the recording's rate (None: to its end)."""
-        first = round(self.start * self.rate)
-        last = None if self.duration is None else first + round(self.duration * self.rate)
+        """The cut's first and past-the-last sample at the recording's rate (None: to its end),
+        as lhotse's ``load_audio`` counts them: two cuts lhotse reads apart are keyed apart."""
+        first = lhotse_samples(self.start, self.rate)
+        last = None if self.duration is None else first + lhotse_samples(self.duration, self.rate)
         return first, last
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from decimal import ROUND_HALF_UP, Decimal
+from enum import Enum
 from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -94,14 +96,42 @@ def _soundfile_extensions() -> tuple[str, ...]:
     return tuple(exts)
 
 
+class SampleRule(Enum):
+    """How a span's seconds become sample numbers: the rule of the tool that wrote the times,
+    so what is decoded is what that tool's own loader decodes."""
+
+    #: ``round(start * rate)`` and ``round(end * rate)``: featbake's manifests and Kaldi's
+    #: segments (times that fall between two samples are rare there, and the keys stay put).
+    NEAREST = "nearest"
+    #: lhotse's ``compute_num_samples``: the start and the duration each rounded half up, at
+    #: 8 decimals (``cut.load_audio()`` seeks and reads so; a 22.05 kHz cut at 1.25 s starts on
+    #: sample 27,563, where Python's ``round`` gives 27,562).
+    LHOTSE = "lhotse"
+
+
+def lhotse_samples(seconds: float, rate: int) -> int:
+    """Samples in ``seconds`` at ``rate`` as lhotse counts them (``lhotse.utils.
+    compute_num_samples``): rounded to 8 decimals, then half up (not to even).
+
+    Example:
+        >>> lhotse_samples(1.25, 22050), round(1.25 * 22050)
+        (27563, 27562)
+        >>> lhotse_samples(0.1 + 0.2, 16000)
+        4800
+    """
+    return int(Decimal(round(seconds * rate, 8)).quantize(0, rounding=ROUND_HALF_UP))
+
+
 class Span(NamedTuple):
     """``[start, end)`` seconds of a recording, and the one channel to take (None: all of them,
     mixed or kept as the recipe says): an item that is a segment of a file. ``end`` infinite
-    runs to the recording's end (Kaldi's ``end = -1``, a row with a start and no end)."""
+    runs to the recording's end (Kaldi's ``end = -1``, a row with a start and no end).
+    ``rule``: how the seconds become samples (a lhotse cut's are lhotse's)."""
 
     start: float
     end: float
     channel: int | None = None
+    rule: SampleRule = SampleRule.NEAREST
 
     @property
     def to_end(self) -> bool:
@@ -109,16 +139,24 @@ class Span(NamedTuple):
         return self.end == float("inf")
 
     def frames(self, rate: int, total: int) -> tuple[int, int]:
-        """The first and the past-the-last sample at ``rate``: ``round(start * rate)`` and
-        ``round(end * rate)`` (Python's ``round``), at the file's own rate; ``total`` (the
-        recording's samples) for a span that runs to the end.
+        """The first and the past-the-last sample at ``rate``, by the span's :class:`SampleRule`,
+        at the file's own rate; ``total`` (the recording's samples) for a span that runs to the
+        end.
 
         Example:
             >>> Span(1.5, 2.0).frames(16000, 96000)
             (24000, 32000)
             >>> Span(1.5, float("inf")).frames(16000, 96000)
             (24000, 96000)
+            >>> cut = Span(1.25, 1.6, None, SampleRule.LHOTSE)  # a 0.35 s lhotse cut
+            >>> Span(1.25, 1.6).frames(22050, 96000), cut.frames(22050, 96000)
+            ((27562, 35280), (27563, 35281))
         """
+        if self.rule is SampleRule.LHOTSE:
+            first = lhotse_samples(self.start, rate)
+            if self.to_end:
+                return first, total
+            return first, first + lhotse_samples(self.end - self.start, rate)
         return round(self.start * rate), total if self.to_end else round(self.end * rate)
 
 

@@ -333,15 +333,20 @@ class WebDataset:
         if self.prefix:  # the one rule of a local folder's shards, on the names under the prefix
             names = shard_names(self.where, (url[len(self.folder) + 1 :] for url in objects))
             self.tars = [f"{self.folder}/{name}" for name in names]
+        unread: list[str] = []
         for tar in self.tars:
             try:
                 samples, odd = samples_of(tar, self._members(tar, objects))
             except SourceError as e:
                 skipped.append(SkippedInput(os.path.relpath(tar, self.folder), str(e)))
+                unread.append(str(e))
                 continue
             skipped += odd
             for sample in samples:
                 self._add(sample, extensions, seen, skipped)
+        if unread and len(unread) == len(self.tars):  # no shard read: that is the error
+            more = f" (and {len(unread) - 1} more shards unreadable)" if len(unread) > 1 else ""
+            raise SourceError(f"{unread[0]}{more}")
         if not self.chosen:
             wanted = f".{self.column}" if self.column else ", ".join(extensions)
             shown = "; ".join(f"{s.path}: {s.reason}" for s in skipped[:3])

@@ -58,6 +58,7 @@ from featbake.store.containers import (
     left_out,
     list_members,
     member_digests,
+    printable,
     ranged_member_digests,
     read_member,
     read_ranged_member,
@@ -850,11 +851,6 @@ def not_regular(mode: int) -> str:
     return f"not a regular file ({file_kind(mode)}); only regular files are inputs"
 
 
-def printable(rel: str) -> str:
-    """``rel`` with bytes that are not UTF-8 written as ``\\xNN`` (safe to print and store)."""
-    return os.fsencode(rel).decode("utf-8", "backslashreplace")
-
-
 _BUCKETS: dict[tuple[str, str], ObjectStore] = {}  # (scheme, bucket) -> its client, made lazily
 
 
@@ -1141,7 +1137,7 @@ class Objects(BytePlace):
         # local folder's are (pyarrow's ignored names passed over, one split), in name order.
         bucket, key = prefix_at(where)
         names = [o.name[len(key) :] for o in bucket.list(key)]
-        kept = sorted(n for n in names if n.endswith(".parquet") and not left_out(n))
+        kept = sorted(n for n in names if n.lower().endswith(".parquet") and not left_out(n))
         refuse_several_splits(where, kept, bucket_card(bucket, key, names))
         return [TableFile(f"{where}/{n}", ranged_object) for n in kept]
 

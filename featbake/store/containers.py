@@ -87,10 +87,23 @@ def split_item_path(path: str) -> tuple[str, str]:
     return path[:cut], path[cut + 1 :]
 
 
+#: A container's ending and the colon after it, in any case (``SHARD.TAR:`` as ``shard.tar:``:
+#: :func:`is_tar` and the tables' checks take a name in any case).
+_CONTAINER_END = re.compile(
+    "|".join(re.escape(s) + ":" for s in sorted(CONTAINER_SUFFIXES, key=len, reverse=True)),
+    re.IGNORECASE,
+)
+
+
 def container_cut(path: str) -> int | None:
-    """Where the container's name ends in an item's full name, or None (not an item's)."""
-    cuts = [i + len(s) for s in CONTAINER_SUFFIXES if (i := path.find(s + ":")) >= 0]
-    return min(cuts) if cuts else None
+    """Where the container's name ends in an item's full name, or None (not an item's).
+
+    Example:
+        >>> container_cut("/d/SHARD.TAR:a.wav"), container_cut("/d/a.tar.gz:b:c.wav")
+        (12, 11)
+    """
+    found = _CONTAINER_END.search(path)
+    return None if found is None else found.end() - 1
 
 
 def is_tar(path: str) -> bool:
@@ -156,6 +169,27 @@ def fits(held: Holder | None, size: int) -> bool:
 
 
 # == tars ==========================================================================================
+def printable(rel: str) -> str:
+    """``rel`` with bytes that are not UTF-8 written as ``\\xNN`` (safe to print and store): a
+    file's or a tar member's name, which the OS and tarfile hand over with such bytes as
+    surrogates.
+
+    Example:
+        >>> printable(b"caf\\xe9.wav".decode("utf-8", "surrogateescape"))
+        'caf\\\\xe9.wav'
+    """
+    return os.fsencode(rel).decode("utf-8", "backslashreplace")
+
+
+def not_utf8_member(tar: str, name: str) -> str:
+    """Why a member whose name is not UTF-8 is not read (``name`` printable): it cannot be an
+    item's id, nor be keyed in the catalog."""
+    return (
+        f"{tar}:{name}: the member's name is not valid UTF-8; rewrite the shard with UTF-8 "
+        "names to include it"
+    )
+
+
 class Member(NamedTuple):
     """A tar member's name, where its data starts and how many bytes it holds; ``problem``:
     why no reader takes its bytes (sparse, runs past the tar's end), or "" (readable)."""
@@ -204,6 +238,10 @@ def list_members(tar: str, fileobj: RangedObject | BinaryIO | None = None) -> li
         raise SourceError(f"{tar}: not a readable tar file ({e})") from e
     out: list[Member] = []
     for m in found:
+        if printable(m.name) != m.name:  # named by its printable form from here on
+            name = printable(m.name)
+            out.append(Member(name, m.offset_data, m.size, not_utf8_member(tar, name)))
+            continue
         if m.sparse is not None:
             out.append(Member(m.name, m.offset_data, m.size, sparse_member(tar, m.name)))
             continue
@@ -243,13 +281,14 @@ def refuse_irregular(path: str) -> None:
 def open_tar(tar: str, fileobj: RangedObject | BinaryIO | None = None) -> tarfile.TarFile:
     """``tar`` opened to read its headers: a file (a gzip one as its stream), or ``fileobj``."""
     if fileobj is not None:
-        return tarfile.open(fileobj=fileobj, mode="r:")
-    return tarfile.open(tar, mode="r:gz" if is_gzip_tar(tar) else "r:")
+        return tarfile.open(fileobj=fileobj, mode="r:", tarinfo=CheckedTarInfo)
+    return tarfile.open(tar, mode="r:gz" if is_gzip_tar(tar) else "r:", tarinfo=CheckedTarInfo)
 
 
 def _headers(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
     """The regular-file members' headers, in order, up to the end (or where the tar ends inside
-    a member: that member is the last, its size checked against the end by the caller)."""
+    a member: that member is the last, its size checked against the end by the caller); a
+    damaged header raises (:class:`CheckedTarInfo`)."""
     while True:
         try:
             m = tf.next()
@@ -259,6 +298,38 @@ def _headers(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
             return
         if m.isreg():
             yield m
+
+
+class DamagedHeader(tarfile.TarError):
+    """A header past the tar's first is damaged or cut short (not tarfile's own ``ReadError``,
+    which :func:`_headers` reads as the tar's end inside a member)."""
+
+
+class CheckedTarInfo(tarfile.TarInfo):
+    """Headers as tarfile reads them, but a damaged one past the first is an error: tarfile
+    ends the archive there in silence (``TarFile.next`` returns None for a failed checksum or
+    a header cut short at any offset but 0), and every member after it would be lost unsaid.
+    A block of zeros (the end-of-archive marker) still ends it."""
+
+    @classmethod
+    def fromtarfile(cls, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        try:
+            return super().fromtarfile(tarfile_)
+        except tarfile.TruncatedHeaderError:
+            if not tarfile_.offset:
+                raise
+            where = f"{tarfile_.offset:,}"
+            raise DamagedHeader(
+                f"the tar is cut short inside the header at byte {where}; rewrite or "
+                "re-download the shard"
+            ) from None
+        except tarfile.InvalidHeaderError as e:
+            if not tarfile_.offset:
+                raise
+            raise DamagedHeader(
+                f"the header at byte {tarfile_.offset:,} is damaged: {e}; rewrite or re-download "
+                "the shard"
+            ) from None
 
 
 def _stream_end(f: Any) -> int:
@@ -734,7 +805,7 @@ def table_files(where: str, listed: Callable[[str], Iterable[str]] = os.listdir)
             raise SourceError(f"{state} names no data file")
         return [os.path.join(where, n) for n in files]
     everything = list(listed(where))
-    names = sorted(n for n in everything if n.endswith(".parquet") and not left_out(n))
+    names = sorted(n for n in everything if n.lower().endswith(".parquet") and not left_out(n))
     refuse_several_splits(where, names, folder_card(where, everything))
     return [os.path.join(where, n) for n in names]
 
@@ -1174,7 +1245,7 @@ class TableFile(ProcessLocalState):
         self, path: str, open_object: OpenObject | None = None, headed: FileStat | None = None
     ) -> None:
         self.path = path
-        self.parquet = not path.endswith(".arrow")
+        self.parquet = not path.lower().endswith(".arrow")
         self.open_object = open_object
         #: an object's stat from the HEAD that found it (named as one object): the scan's
         #: listing takes it once, in place of a HEAD of its own

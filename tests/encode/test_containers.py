@@ -299,6 +299,94 @@ def test_a_truncated_member_is_a_bad_row_naming_tar_and_member(tmp_path: Path) -
     assert [digests[p] for p in paths[:-1]] == [sha256_hex(b) for b in images[:-1]]
 
 
+@pytest.mark.parametrize("damage", ["checksum", "cut in a header"])
+def test_a_damaged_header_fails_its_shard_in_one_line_and_loses_no_other(
+    tmp_path: Path, encoder_file: Path, damage: str
+) -> None:
+    """tarfile ends an archive in silence at a header whose checksum fails or that the file
+    ends inside (past its first member): every sample after it was lost with no line and the
+    build said nothing failed. Now the shard is unreadable in one line naming the byte; the
+    other shard's samples build and serve equal to the encoder run now."""
+    clips = [wav_bytes(0.3 + 0.05 * i, i) for i in range(6)]
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_tar(folder / "a.tar", [(f"a{i}", {"wav": c}) for i, c in enumerate(clips[:3])])
+    bad = write_tar(folder / "b.tar", [(f"b{i}", {"wav": c}) for i, c in enumerate(clips[3:])])
+    whole = bad.read_bytes()
+    third = whole.find(clips[4]) + len(clips[4])  # the third member's header starts past it
+    third += -third % 512
+    if damage == "checksum":
+        bad.write_bytes(whole[: third + 1] + bytes([whole[third + 1] ^ 1]) + whole[third + 2 :])
+    else:
+        bad.write_bytes(whole[: third + 300])
+    with torchscript_quietly():
+        encoder = torch.jit.load(str(encoder_file))
+    report = build(folder, encoder_file, cache=tmp_path / "store", workers=0)
+    assert report.encoded == 3, report
+    ((where, why),) = report.failed
+    assert where == "b.tar" and f"at byte {third:,}" in why and "\n" not in why, why
+    assert "rewrite or re-download the shard" in why
+    ds = CachedFeatureDataset(folder, encoder=encoder_file, cache=tmp_path / "store",
+                              on_miss="error")  # fmt: skip
+    assert len(ds) == 3
+    for i in range(3):
+        torch.testing.assert_close(ds[i], run_now(encoder, audio_tensor(clips[i])))
+
+
+def test_a_member_whose_name_is_not_utf8_is_one_line_and_the_others_build(
+    tmp_path: Path,
+    encoder_file: Path,
+) -> None:
+    """A shard written where names are Latin-1 (``caf\\xe9.wav``): the build stopped with an
+    internal UnicodeEncodeError (the name reached SQLite), nothing stored. Now that member
+    fails in one line naming it printably, the others build."""
+    clips = [wav_bytes(0.4 + 0.05 * i, 10 + i) for i in range(3)]
+    tar = tmp_path / "latin.tar"
+    with tarfile.open(tar, "w", format=tarfile.GNU_FORMAT, encoding="latin-1") as tf:
+        for name, data in zip(("s0.wav", "caf\xe9.wav", "s2.wav"), clips, strict=True):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    with torchscript_quietly():
+        encoder = torch.jit.load(str(encoder_file))
+    got = invoke("build", "--encoder", encoder_file, "--data", tar,
+                 "--cache", tmp_path / "store")  # fmt: skip
+    assert got.returncode == 3, got.stderr
+    assert "internal error" not in got.stderr and "Traceback" not in got.stderr
+    assert f"{tar}:caf\\xe9.wav: the member's name is not valid UTF-8" in got.stdout + got.stderr
+    with pytest.warns(UserWarning, match="not valid UTF-8"):
+        ds = CachedFeatureDataset(tar, encoder=encoder_file, cache=tmp_path / "store",
+                                  on_miss="error")  # fmt: skip
+    assert [ds.item_id(i) for i in range(len(ds))] == ["s0", "s2"]
+    for i, clip in ((0, clips[0]), (1, clips[2])):
+        torch.testing.assert_close(ds[i], run_now(encoder, audio_tensor(clip)))
+
+
+def test_containers_named_in_upper_case_are_read_as_in_lower_case(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """``SHARD.TAR``, ``Part-0.Tar`` and ``DATA.PARQUET`` were taken as a shard and a table,
+    then every item failed ("not the name of an item in a tar or a table"): an item's name
+    was cut at its container's ending in lower case only."""
+    clips = [wav_bytes(0.4 + 0.1 * i, 20 + i) for i in range(3)]
+    write_tar(tmp_path / "SHARD.TAR", [(f"s{i}", {"wav": c}) for i, c in enumerate(clips)])
+    (tmp_path / "shards").mkdir()
+    write_tar(
+        tmp_path / "shards" / "Part-0.Tar", [(f"s{i}", {"wav": c}) for i, c in enumerate(clips)]
+    )
+    write_audio_parquet(tmp_path / "DATA.PARQUET", list(clips))
+    with torchscript_quietly():
+        encoder = torch.jit.load(str(encoder_file))
+    for data in (tmp_path / "SHARD.TAR", tmp_path / "shards", tmp_path / "DATA.PARQUET"):
+        report = build(data, encoder_file, cache=tmp_path / "store", workers=0)
+        assert not report.failed, report.failed
+        ds = CachedFeatureDataset(data, encoder=encoder_file, cache=tmp_path / "store",
+                                  on_miss="error")  # fmt: skip
+        assert len(ds) == 3
+        for i, clip in enumerate(clips):
+            torch.testing.assert_close(ds[i], run_now(encoder, audio_tensor(clip)))
+
+
 def test_column_picks_the_member_and_samples_without_it_are_set_aside(tmp_path: Path) -> None:
     clips = [wav_bytes(0.5, i) for i in range(3)]
     samples = [(f"u{i}", {"flac": clips[i], "txt": b"hi"}) for i in range(2)]

@@ -24,6 +24,7 @@ import time
 import tracemalloc
 import warnings
 from collections.abc import Iterator
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
@@ -109,14 +110,29 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
 
 
 # -- the reference, without featbake ---------------------------------------------------------
+def lhotse_count(seconds: float, rate: int) -> int:
+    """Samples in ``seconds`` as lhotse's ``compute_num_samples`` counts them: half up."""
+    return int(Decimal(round(seconds * rate, 8)).quantize(0, rounding=ROUND_HALF_UP))
+
+
 def reference(
-    encoder: Path, file: Path, start: float | None, end: float | None, channel: int | None = None
+    encoder: Path,
+    file: Path,
+    start: float | None,
+    end: float | None,
+    channel: int | None = None,
+    lhotse: bool = False,
 ) -> torch.Tensor:
-    """The encoder run now on a span soundfile read, mixed (or one channel), soxr-resampled."""
+    """The encoder run now on a span soundfile read, mixed (or one channel), soxr-resampled;
+    its samples rounded to the nearest, or as lhotse counts them (a cut's start and duration,
+    each half up)."""
     info = soundfile.info(str(file))
     rate = info.samplerate
     first = 0 if start is None else round(start * rate)
     last = info.frames if end is None else round(end * rate)
+    if lhotse:
+        first = lhotse_count(start or 0.0, rate)
+        last = info.frames if end is None else first + lhotse_count(end - (start or 0.0), rate)
     audio, _ = soundfile.read(str(file), start=first, stop=last, dtype="float32", always_2d=True)
     mono = audio[:, channel] if channel is not None else audio.mean(axis=1)
     if rate != RATE:
@@ -127,12 +143,15 @@ def reference(
         return module(torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))[None])[0]
 
 
-def assert_items_are_segments(ds: CachedFeatureDataset, encoder: Path, corpus: Path) -> None:
-    """Every item of ``ds`` equals the encoder run now on its segment (SEGMENTS, in order)."""
+def assert_items_are_segments(
+    ds: CachedFeatureDataset, encoder: Path, corpus: Path, lhotse: bool = False
+) -> None:
+    """Every item of ``ds`` equals the encoder run now on its segment (SEGMENTS, in order; as
+    lhotse counts a cut's samples where ``lhotse``)."""
     files = {"recA": corpus / "wavs" / "recA.wav", "recB": corpus / "wavs" / "recB.flac"}
     assert [ds.item_id(i) for i in range(len(ds))] == [u for u, *_ in SEGMENTS]
     for i, (_, rec, start, end, *_) in enumerate(SEGMENTS):
-        want = reference(encoder, files[rec], start, end)
+        want = reference(encoder, files[rec], start, end, lhotse=lhotse)
         torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5)
 
 
@@ -243,7 +262,7 @@ def test_lhotse_cuts_are_read_without_lhotse(
     report = build(corpus / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=2)
     assert not report.failed and report.files == 6
     ds = quiet_dataset(corpus / "cuts.jsonl.gz", encoder_file, store_dir, on_miss="error")
-    assert_items_are_segments(ds, encoder_file, corpus)
+    assert_items_are_segments(ds, encoder_file, corpus, lhotse=True)  # 0.25 s: 5,512.5 samples
     assert ds.row(3) == {"recording": "recA", "text": "words of utt-a", "speaker": "spk3"}
 
 
@@ -381,7 +400,8 @@ def test_segments_to_the_end_of_the_recording_kaldi_minus_one_and_rows_without_e
     refused."""
     wav_a, flac_b = corpus / "wavs/recA.wav", corpus / "wavs/recB.flac"
     segments = corpus / "kaldi" / "segments"
-    segments.write_text("utt-1 recA 4.5 -1\nutt-2 recB 3.25 -1\nutt-3 recA 0 -1\n")
+    # -1 however it is written: a %.2f writer's "-1.00" was a bad row ("not a time")
+    segments.write_text("utt-1 recA 4.5 -1\nutt-2 recB 3.25 -1.00\nutt-3 recA 0 -1.0\n")
     for name in ("text", "utt2spk"):
         (corpus / "kaldi" / name).unlink()
     report = build(corpus / "kaldi", encoder_file, cache=store_dir, workers=0)
@@ -431,6 +451,13 @@ def test_duplicate_ids_and_piped_wav_scp_are_refused_in_one_line(
         build(corpus / "dup.jsonl", encoder_file, cache=store_dir)
     (corpus / "kaldi" / "wav.scp").write_text("recA sox in.sph -t wav - |\n")
     with pytest.raises(SourceError, match=r"wav.scp:1: recording recA is a command .* wav file"):
+        build(corpus / "kaldi", encoder_file, cache=store_dir)
+    # A recording on two lines: the last one was taken in silence, the first file never read.
+    wavs = corpus / "wavs"
+    (corpus / "kaldi" / "wav.scp").write_text(
+        f"recA {wavs / 'recA.wav'}\nrecB {wavs / 'recB.flac'}\nrecA {wavs / 'recB.flac'}\n"
+    )
+    with pytest.raises(SourceError, match=r"recording id 'recA' is on lines 1 and 3 of .*wav.scp"):
         build(corpus / "kaldi", encoder_file, cache=store_dir)
 
 
@@ -761,6 +788,32 @@ def test_perturbed_cuts_are_served_the_audio_lhotse_loads_for_them(
     assert not report.failed and report.encoded == 4
     ds = quiet_dataset(tmp_path / "cuts.jsonl.gz", encoder_file, store_dir, on_miss="error")
     assert len({ds.key(i) for i in range(4)}) == 4
+    for i, cut in enumerate(cuts):
+        want = encoded_now(encoder_file, cut.load_audio(), cut.sampling_rate)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5, msg=cut.id)
+
+
+def test_cuts_whose_times_fall_between_two_samples_are_read_as_lhotse_reads_them(
+    tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 22.05 kHz any time in odd hundredths of a second falls half-way between two samples:
+    lhotse rounds the start and the duration each half up, where Python's ``round`` goes to
+    even. Before, a cut at 1.25 s started one sample early (served other features than the
+    encoder on ``cut.load_audio()``), and two volume-perturbed cuts that lhotse reads from
+    samples 27,563 and 27,562 shared a key (one served the other's features, a duplicate)."""
+    lhotse = pytest.importorskip("lhotse")
+    monkeypatch.chdir(tmp_path)
+    noise_wav(tmp_path / "r.wav", 4.0, 22050, seed=40)
+    rec = lhotse.Recording.from_file("r.wav", recording_id="r")
+    plain = [lhotse.MonoCut(f"c{i}", start, 1.35, 0, recording=rec)
+             for i, start in enumerate((1.25, 0.75, 27562 / 22050))]  # fmt: skip
+    cuts = lhotse.CutSet.from_cuts([*plain, plain[0].perturb_volume(2.0),
+                                    plain[2].perturb_volume(2.0)])  # fmt: skip
+    cuts.to_file(tmp_path / "cuts.jsonl.gz")
+    report = build(tmp_path / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=0)
+    assert not report.failed and report.encoded == 5 and report.duplicates == 0
+    ds = quiet_dataset(tmp_path / "cuts.jsonl.gz", encoder_file, store_dir, on_miss="error")
+    assert len({ds.key(i) for i in range(5)}) == 5
     for i, cut in enumerate(cuts):
         want = encoded_now(encoder_file, cut.load_audio(), cut.sampling_rate)
         torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5, msg=cut.id)
