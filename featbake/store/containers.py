@@ -42,7 +42,7 @@ import tarfile
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from enum import Enum
-from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, Self, TypeVar
 
 from featbake.errors import ConfigError, SourceError, first_line
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
@@ -312,24 +312,22 @@ class CheckedTarInfo(tarfile.TarInfo):
     A block of zeros (the end-of-archive marker) still ends it."""
 
     @classmethod
-    def fromtarfile(cls, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+    def fromtarfile(cls, tarfile_: tarfile.TarFile) -> Self:
         try:
             return super().fromtarfile(tarfile_)
-        except tarfile.TruncatedHeaderError:
-            if not tarfile_.offset:
+        except tarfile.HeaderError as e:
+            # tarfile's own kinds (not in its stubs): a header cut short, or one whose
+            # checksum or fields fail; a block of zeros (EOFHeaderError) or nothing ends it.
+            kind = type(e).__name__
+            if not tarfile_.offset or kind not in ("TruncatedHeaderError", "InvalidHeaderError"):
                 raise
             where = f"{tarfile_.offset:,}"
-            raise DamagedHeader(
-                f"the tar is cut short inside the header at byte {where}; rewrite or "
-                "re-download the shard"
-            ) from None
-        except tarfile.InvalidHeaderError as e:
-            if not tarfile_.offset:
-                raise
-            raise DamagedHeader(
-                f"the header at byte {tarfile_.offset:,} is damaged: {e}; rewrite or re-download "
-                "the shard"
-            ) from None
+            why = (
+                f"the tar is cut short inside the header at byte {where}"
+                if kind == "TruncatedHeaderError"
+                else f"the header at byte {where} is damaged: {e}"
+            )
+            raise DamagedHeader(f"{why}; rewrite or re-download the shard") from None
 
 
 def _stream_end(f: Any) -> int:
