@@ -74,7 +74,7 @@ from featbake.serve.collate import (
 )
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.serve.index import ItemPlacement
-from featbake.serve.prefetch import Staging
+from featbake.serve.prefetch import Staging, holding_attribute
 from featbake.serve.reads import handing_over, read_threads_at_most
 from featbake.serve.sampling import (
     Order,
@@ -244,6 +244,28 @@ def draws_per_epoch(dataset: Any) -> bool:
     if isinstance(dataset, StackDataset | ConcatDataset):
         return any(draws_per_epoch(m) for m in _members(dataset))
     return False
+
+
+def refuse_hidden_draws(dataset: Any) -> None:
+    """Refuse a dataset of the user's own that holds one drawing its items per epoch (a
+    :class:`~featbake.MixedDataset` in ``Labelled(mixed).mixed``) and has no ``set_epoch`` to
+    pass the epoch on: the loader's epochs would not reach the mixture, and every epoch would
+    read epoch 0's draw (a down-weighted dataset never read past it), without a word.
+
+    Raises:
+        ConfigError: it does, naming the attribute.
+    """
+    if draws_per_epoch(dataset):
+        return
+    held = holding_attribute(dataset, draws_per_epoch)
+    if held is not None:
+        kind = type(dataset).__name__
+        raise ConfigError(
+            f"{kind} holds a dataset that draws its items per epoch ({held}), and has no "
+            f"set_epoch to pass the epoch on: every epoch would read epoch 0's draw; give "
+            f"{kind} a set_epoch(epoch) that calls self.{held}.set_epoch(epoch) (and a "
+            f"fingerprint() returning self.{held}.fingerprint(), so a resume checks it)"
+        )
 
 
 def fingerprint_of(dataset: Any) -> str:
@@ -650,7 +672,10 @@ class BlockSampler(Sampler[int]):
     :meth:`state_dict` carries it with the indices of the epoch handed out so far
     (``yielded``), so a sampler made after a build, a gc or a write-back that loads the state
     yields the rest of that epoch, then draws the orders the first would have: the protocol of
-    torchdata's ``StatefulDistributedSampler``, which its ``StatefulDataLoader`` follows.
+    torchdata's ``StatefulDistributedSampler``, which its ``StatefulDataLoader`` follows. A
+    plain ``DataLoader`` with workers takes indices ahead of the loop (``prefetch_factor``
+    batches per worker), so a state saved in the loop counts those as read and a resume skips
+    them: save through ``StatefulDataLoader`` there (``num_workers=0`` is exact).
 
     Example:
         >>> sampler = BlockSampler(ds, seed=0, window=4)  # doctest: +SKIP
@@ -830,7 +855,9 @@ class LengthBatchSampler(Sampler[list[int]]):
     before each, as with ``DistributedSampler``; it is handed on to a dataset that draws its
     items per epoch). :meth:`state_dict` is a :class:`FeatureLoader`'s state (the epoch, the
     batches handed out, the placement it was planned from): a new sampler that loads it yields
-    the rest of that epoch, even over another world size (the rest shared out anew).
+    the rest of that epoch, even over another world size (the rest shared out anew). Save it
+    through ``StatefulDataLoader``: a plain ``DataLoader`` with workers takes batches ahead of
+    the loop, which a state saved in the loop counts as read.
 
     Example:
         >>> sampler = LengthBatchSampler(ds, batch_frames=20_000, seed=0)  # doctest: +SKIP
@@ -1110,6 +1137,7 @@ class FeatureLoader:
             raise ConfigError(f"prefetch must be a whole number from 1, got {prefetch!r}")
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ConfigError(f"read_ahead must be a whole number from 0, got {read_ahead!r}")
+        refuse_hidden_draws(dataset)
         self.read_ahead = read_ahead
         self._streak = 0  # ReadAhead's, carried from one epoch to the next
         self.dataset = dataset

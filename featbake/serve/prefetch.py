@@ -519,10 +519,18 @@ def moving_attribute(dataset: Any, depth: int = 3) -> str | None:
     that :func:`moves` (in a list, tuple or dict too), looked for ``depth`` datasets deep;
     None when none does. Keyed by index, such a wrapper would be served an earlier epoch's
     items (or a file's old features) from a cache."""
+    return holding_attribute(dataset, lambda d: moves(d, depth))
+
+
+def holding_attribute(dataset: Any, wanted: Callable[[Any], bool]) -> str | None:
+    """The attribute of a dataset of the user's own that holds a dataset for which ``wanted``
+    says yes (in a list, tuple or dict too); None when none does. What a loader or a cache
+    learns of a wrapper it cannot see into (a torch ``Dataset`` with the data in an
+    attribute), to refuse it rather than read it wrong."""
     for name, value in vars(dataset).items() if hasattr(dataset, "__dict__") else ():
         inner = value.values() if isinstance(value, dict) else value
         held = inner if isinstance(inner, list | tuple) else [value]
-        if any(isinstance(d, Dataset) and d is not dataset and moves(d, depth) for d in held):
+        if any(isinstance(d, Dataset) and d is not dataset and wanted(d) for d in held):
             return name
     return None
 

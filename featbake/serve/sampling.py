@@ -565,8 +565,10 @@ def frame_batches(
     if (lens < 0).any():
         raise ConfigError(
             f"batch_frames needs each item's length from the store, and {(lens < 0).sum()} "
-            "items are not stored yet: run `featbake build` on the data first (or read one "
-            "epoch with batch_size, then ds.flush())"
+            "items have none: they are not stored yet (run `featbake build` on the data first, "
+            "or read one epoch with batch_size, then ds.flush()), or their dataset does not "
+            "say its lengths (a ViewsDataset, a dataset of your own in a MixedDataset: use "
+            "batch_size for it)"
         )
     key = np.log(np.maximum(lens, 1).astype(np.float64))
     if rng is not None:

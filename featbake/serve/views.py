@@ -24,6 +24,7 @@ from featbake.errors import ConfigError
 from featbake.image_recipe import View, view_steps
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
+from featbake.units import parse_bytes
 
 #: ``views=`` choices: one view at random per item, the original only, or both as a dict.
 VIEW_MODES = ("random", "original", "all")
@@ -40,6 +41,31 @@ def picks_flipped(seed: int, epoch: int, index: int) -> bool:
     return bool(digest[0] & 1)
 
 
+def flipped_positions(original: Sequence[str], flipped: Sequence[str]) -> list[int]:
+    """Where each of the original view's items (by id, in its order) is among the flipped
+    view's: the two views' datasets list their items apart (each its own root's manifest, less
+    what its own build could not decode), so position ``i`` of one need not be item ``i`` of
+    the other.
+
+    Raises:
+        ConfigError: an item of the original view is no item of the flipped view.
+
+    Example:
+        >>> flipped_positions(["a.jpg", "c.jpg"], ["a.jpg", "b.jpg", "c.jpg"])
+        [0, 2]
+    """
+    at = {name: j for j, name in enumerate(flipped)}
+    missing = [name for name in original if name not in at]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ConfigError(
+            f"{missing[0]!r}{more} is an item of the original view but not of the flipped one "
+            "(its build could not decode it, or left it out); rebuild both views with "
+            "`featbake build --views hflip`"
+        )
+    return [at[name] for name in original]
+
+
 class ViewsDataset(Dataset):
     """Items of a build with ``--views hflip``: the original's or the flipped image's features.
 
@@ -49,7 +75,8 @@ class ViewsDataset(Dataset):
             ``"original"`` or ``"all"`` (``{"original": ..., "hflip": ...}`` per item).
         seed: the coin's seed.
         recipe: the original's recipe (an image recipe, or a vision folder's by default).
-        **options: any other :class:`CachedFeatureDataset` keyword, for both views.
+        **options: any other :class:`CachedFeatureDataset` keyword, for both views
+            (``ram_cache`` is the budget of both: each view's dataset takes half of it).
 
     Raises:
         ConfigError: an unknown ``views``, or a recipe that is not an image recipe.
@@ -76,6 +103,8 @@ class ViewsDataset(Dataset):
         self.seed = seed
         # Shared memory, not an int: a persistent worker's copy of the dataset sees set_epoch.
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        if views != "original" and options.get("ram_cache"):  # the budget of both views
+            options["ram_cache"] = parse_bytes(options["ram_cache"]) // 2
         self.original = CachedFeatureDataset(data, encoder, recipe=recipe, **options)
         if self.original.recipe.source != "image":
             raise ConfigError(
@@ -85,6 +114,13 @@ class ViewsDataset(Dataset):
         steps = view_steps(self.original.recipe.image_steps, View.HFLIP)
         flipped = self.original.recipe.replace(image=steps)
         self.flipped = CachedFeatureDataset(data, encoder, recipe=flipped, **options)
+        # None: the two list the same items in the same order (one digest each, no id read).
+        self._flipped_at: list[int] | None = None
+        if self.flipped.items_digest() != self.original.items_digest():
+            self._flipped_at = flipped_positions(
+                [self.original.item_id(i) for i in range(len(self.original))],
+                [self.flipped.item_id(j) for j in range(len(self.flipped))],
+            )
 
     @property
     def epoch(self) -> int:
@@ -131,7 +167,13 @@ class ViewsDataset(Dataset):
         text = f"views\0{self.views}\0{self.seed}\0{self.original.items_digest()}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def _flipped(self, i: int) -> Any:
+        """Item ``i``'s flipped view: the flipped dataset's item of the same id."""
+        if i < 0:
+            i += len(self)
+        return self.flipped[i if self._flipped_at is None else self._flipped_at[i]]
+
     def __getitem__(self, i: int) -> Any:
         if self.views == "all":
-            return {View.ORIGINAL.value: self.original[i], View.HFLIP.value: self.flipped[i]}
-        return (self.flipped if self.view(i) is View.HFLIP else self.original)[i]
+            return {View.ORIGINAL.value: self.original[i], View.HFLIP.value: self._flipped(i)}
+        return self._flipped(i) if self.view(i) is View.HFLIP else self.original[i]

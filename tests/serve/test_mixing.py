@@ -7,6 +7,7 @@ import itertools
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -348,6 +349,52 @@ def test_a_loader_over_a_concatenation_tells_the_mixture_in_it_the_epoch(
     state = loader.state_dict()
     with pytest.raises(ConfigError, match="another order"):
         FeatureLoader(joined(9)[1], batch_size=7, shuffle=False).load_state_dict(state)
+
+
+def test_a_wrapper_of_a_mixture_without_set_epoch_is_refused_and_with_one_reads_each_epoch(
+    two_stores: tuple[Path, Path], encoder_file: Path
+) -> None:
+    """``FeatureLoader(Labelled(mixed))``, a dataset of the user's own holding the mixture:
+    the loader's epochs never reached it, so every epoch read epoch 0's draw (a down-weighted
+    dataset never read past it), without a word. It is refused in one line saying what to
+    add; with that ``set_epoch``, each epoch reads the mixture's own draw."""
+    from torch.utils.data import Dataset
+
+    from featbake import FeatureLoader
+
+    a, b = (
+        CachedFeatureDataset(f, encoder_file, cache=f.parent / f"store_{f.name}", on_miss="error")
+        for f in two_stores
+    )
+    mixed = MixedDataset([a, b], weights=[0.5, 0.5], epoch_items=4, seed=0)
+
+    class Labelled(Dataset):
+        def __init__(self, mixed: MixedDataset) -> None:
+            self.mixed = mixed
+
+        def __len__(self) -> int:
+            return len(self.mixed)
+
+        def __getitem__(self, i: int) -> Any:
+            return self.mixed[i]
+
+    class Passing(Labelled):
+        def set_epoch(self, epoch: int) -> None:
+            self.mixed.set_epoch(epoch)
+
+    with pytest.raises(ConfigError, match=r"Labelled holds a dataset that draws its items per "
+                       r"epoch \(mixed\).*self\.mixed\.set_epoch\(epoch\)"):  # fmt: skip
+        FeatureLoader(Labelled(mixed), batch_size=4, shuffle=False)
+    loader = FeatureLoader(Passing(mixed), batch_size=4, shuffle=False)
+    live, draws = Live(), set()
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        ((padded, lengths),) = list(loader)
+        plan = mixed.plan.epoch(epoch)
+        draws.add(tuple(plan))
+        for row, n, (k, j) in zip(padded, lengths, plan, strict=True):
+            torch.testing.assert_close(row[:n], live(encoder_file, Path((a, b)[k].path(j))))
+    assert len(draws) > 1
 
 
 #: The fingerprints states saved before a mixture inside a ConcatDataset or a mixture was

@@ -216,3 +216,38 @@ def test_a_state_part_way_through_an_epoch_of_views_is_not_resumed_over_other_im
         changed.load_state_dict(state)
     assert "\n" not in str(refused.value)
     changed.load_state_dict({**state, "position": 0, "resumed": []})  # the epoch from its start
+
+
+def test_each_image_is_served_its_own_flipped_view_when_the_views_list_other_items(
+    tmp_path: Path,
+) -> None:
+    """The two views' datasets list their items apart (each its root's manifest, less what
+    its build could not decode): an image deleted, then the originals rebuilt alone, left the
+    flipped root naming it. Before, items were paired by position, so from the deleted image
+    on each was served the mirror of the image before it (3 of 5 wrong); now by id."""
+    images, folder, store = tmp_path / "images", _clip_folder(tmp_path / "clip"), tmp_path / "s"
+    write_image_folder(images, 6, size=(37, 53), seed=3)
+    build_views(images, folder, cache=store, views=parse_views("hflip"), workers=0)
+    sorted(images.iterdir())[2].unlink()
+    build_views(images, folder, cache=store, views=parse_views(None), workers=0)
+    model = transformers.AutoModel.from_pretrained(str(folder)).eval()
+    proc = transformers.AutoImageProcessor.from_pretrained(str(folder))
+    both = ViewsDataset(images, folder, cache=store, views="all", on_miss="error")
+    assert len(both) == 5 and len(both.flipped) == 6  # the flipped root still names it
+    for i in range(len(both)):
+        image = decode_image(both.path(i), both.original.recipe.image_steps)
+        mirrored = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        with torch.inference_mode():
+            want = model(**proc(images=mirrored, return_tensors="pt")).pooler_output[0]
+        assert rel_error(both[i]["hflip"]["pooled"], want) < 1e-5, both.path(i)
+    coin = ViewsDataset(images, folder, cache=store, seed=4, on_miss="error", ram_cache="1MiB")
+    for i in range(len(coin)):
+        assert torch.equal(coin[i]["pooled"], both[i][coin.view(i).value]["pooled"])
+    # the RAM tier's budget is both views' (it was 1 MiB each)
+    assert coin.original._ram_total + coin.flipped._ram_total == 1 << 20
+    assert torch.equal(both[-1]["hflip"]["pooled"], both[4]["hflip"]["pooled"])
+    # batch_frames over a mixture holding views: said was "not stored yet", which they were
+    from featbake import FeatureLoader, MixedDataset
+
+    with pytest.raises(ConfigError, match=r"or their dataset does not say its lengths"):
+        list(FeatureLoader(MixedDataset([coin, coin.original]), batch_frames=100))
