@@ -14,8 +14,8 @@ Three layouts name their items this way (``--data`` picks one, see
   (:meth:`RowInputs.row`).
 * :class:`KaldiInputs`: a Kaldi data folder. ``wav.scp`` maps recording ids to files (a relative
   path is taken from the working directory, as Kaldi's scripts take it); with a
-  ``segments`` file each utterance is a segment (``utt rec start end``; ``end`` -1, Kaldi's
-  convention, runs to the recording's end) and its id is the
+  ``segments`` file each utterance is a segment (``utt rec start end [channel]``; ``end`` -1,
+  Kaldi's convention, runs to the recording's end; a channel picks one) and its id is the
   utterance id, else each recording is an item under its id. ``text`` and ``utt2spk`` are carried.
 * :class:`CutsInputs`: a lhotse cut manifest (``cuts.jsonl.gz``, or a ``.jsonl`` whose first
   line is a cut: lhotse's uncompressed ``cuts.jsonl``), read with gzip (if so) and json: a
@@ -1086,22 +1086,39 @@ def segment_item(
     where: str,
     carried: Mapping[str, Mapping[str, str]],
 ) -> tuple[str, Item]:
-    """(utterance id, item) of one ``segments`` line: ``utt rec start end``.
+    """(utterance id, item) of one ``segments`` line: ``utt rec start end [channel]`` (the
+    channel, as Kaldi's ``extract-segments`` takes it, picks one channel of the recording).
 
     Raises:
-        BadRow: not four fields, an unknown recording, or bad times.
+        BadRow: not four or five fields, an unknown recording, bad times or a bad channel.
     """
-    if len(fields) != 4:
-        raise BadRow(f"{len(fields)} fields, not 4 (utterance recording start end)")
-    utt, rec, start, end = fields
+    if len(fields) not in (4, 5):
+        raise BadRow(f"{len(fields)} fields, not 4 (utterance recording start end [channel])")
+    utt, rec, start, end = fields[:4]
+    channel = kaldi_channel(fields[4]) if len(fields) == 5 else None
     placed = recordings.get(rec)
     if placed is None:
         raise BadRow(f"recording {rec!r} is not in wav.scp")
     if isinstance(placed, Unplaced):
         raise BadRow(f"recording {rec} ({placed.where}): {placed.why}")
     row = {"recording": rec, **kaldi_row(utt, carried)}
-    span = span_of(start, None if kaldi_to_end(end) else end, None)
+    span = span_of(start, None if kaldi_to_end(end) else end, channel)
     return utt, Item(placed.file, span, where, row)
+
+
+def kaldi_channel(field: str) -> int:
+    """A ``segments`` line's fifth field: the channel, a whole number from 0.
+
+    Raises:
+        BadRow: it is not one.
+    """
+    try:
+        channel = int(field)
+    except ValueError:
+        channel = -1
+    if channel < 0:
+        raise BadRow(f"channel {field!r} is not a channel number (0, 1, ...)")
+    return channel
 
 
 def kaldi_to_end(end: str) -> bool:

@@ -465,12 +465,19 @@ def test_kaldi_bad_segments_lines_are_skipped(
     corpus: Path, encoder_file: Path, store_dir: Path
 ) -> None:
     segments = corpus / "kaldi" / "segments"
-    segments.write_text(segments.read_text() + "utt-x recZ 0 1\nutt-y recA 1\n")
+    # A fifth field is the channel, as extract-segments takes it (before: "5 fields, not 4").
+    extra = "utt-x recZ 0 1\nutt-y recA 1\nutt-w recB 0.5 1.5 1\nutt-v recB 0.5 1.5 left\n"
+    segments.write_text(segments.read_text() + extra)
     report = build(corpus / "kaldi", encoder_file, cache=store_dir, workers=0)
     reasons = dict(report.failed)
     assert "recording 'recZ' is not in wav.scp" in reasons["segments:7"]
     assert "3 fields, not 4" in reasons["segments:8"]
-    assert report.encoded == 5 and len(reasons) == 2
+    assert "channel 'left' is not a channel number" in reasons["segments:10"]
+    assert report.encoded == 6 and len(reasons) == 3
+    ds = quiet_dataset(corpus / "kaldi", encoder_file, store_dir, on_miss="error")
+    assert ds.item_id(6) == "utt-w"
+    want = reference(encoder_file, corpus / "wavs/recB.flac", 0.5, 1.5, channel=1)
+    torch.testing.assert_close(ds[6], want, rtol=1e-5, atol=1e-5)
 
 
 def test_cli_build_of_a_manifest_exits_3_naming_the_lines(
