@@ -7,13 +7,15 @@ what to do. The CLI prints the message as one red line and exits with the class'
 Exit codes:
     0  success
     1  unexpected internal error (a bug: please report it, with ``FEATBAKE_DEBUG=1`` output)
-    2  bad usage or option (:class:`ConfigError`)
+    2  bad usage or option (:class:`ConfigError`); the ranks of a torchrun build given another
+       encoder, recipe or data (:class:`RanksDisagree`)
     3  some inputs failed to decode or encode; the rest were stored (:class:`BuildIncomplete`)
     4  the encoder could not be loaded or refused to run (:class:`EncoderLoadError`)
     5  the store or catalog could not be read or written (:class:`StoreError`)
     6  stored data failed its checksum or header check (:class:`StoreCorrupt`)
     7  a feature is not in the store and live encoding was turned off (:class:`CacheMiss`)
-    8  an input file could not be read or decoded (:class:`SourceError`)
+    8  an input file could not be read or decoded (:class:`SourceError`); the inputs changed
+       between the scans of a torchrun build's ranks (:class:`RanksDisagree`)
     9  the build process ended abruptly, e.g. ``os._exit()`` in an encoder
        (:class:`BuildProcessDied`)
     130 interrupted (Ctrl-C); everything sealed before the interrupt is kept
@@ -116,6 +118,24 @@ class BuildProcessDied(FeatbakeError):
     """
 
     exit_code = 9
+
+
+class RanksDisagree(FeatbakeError):
+    """The ranks of one torchrun launch do not see the same build: one was given another
+    encoder, recipe or data (exit 2, as a :class:`ConfigError`), or the inputs changed between
+    the ranks' scans (``data_changed``: exit 8, as a :class:`SourceError`).
+
+    Every rank raises it with the same message, which names the ranks itself: the CLI prints
+    it as it is, without the line that names the failing rank (no one rank failed).
+    """
+
+    exit_code = ConfigError.exit_code
+
+    def __init__(self, message: str, *, data_changed: bool = False) -> None:
+        super().__init__(message)
+        self.data_changed = data_changed
+        if data_changed:
+            self.exit_code = SourceError.exit_code
 
 
 def first_line(e: BaseException) -> str:

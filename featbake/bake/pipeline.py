@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -32,8 +32,11 @@ from featbake.bake.engine_wire import ENGINE_PROTOCOL, CarriedError, check_proto
 from featbake.bake.interrupt import interrupt_at_safe_points
 from featbake.bake.options import BakeOptions
 from featbake.bake.ranks import (
+    BuildView,
     RankSpec,
+    check_views_agree,
     device_for_rank,
+    listing_digest,
     my_part,
     owned_by_lower_ranks,
     resolve_rank,
@@ -91,10 +94,10 @@ from featbake.store.containers import container_cut
 from featbake.store.features import Parts
 from featbake.store.fidelity import Measured
 from featbake.store.fragment_catalog import FragmentCatalog, RankPart
-from featbake.store.fragments import build_id, fragment_keys, sealed_fragments
+from featbake.store.fragments import build_id, fragment_keys, parse_name, sealed_fragments
 from featbake.store.hash_cache import FileStat, HashCache, HashCacheRow, HashEntry, HashRow
 from featbake.store.layout import Layout
-from featbake.store.merge import adopt_sealed_parts
+from featbake.store.merge import MergeReport, adopt_sealed_parts
 from featbake.store.open import Need, StoreRef, open_store, place_of
 from featbake.store.roots import RootSpec, write_undecodable
 from featbake.store.shard import DEFAULT_SHARD_BYTES
@@ -111,11 +114,24 @@ from featbake.store.shard import DEFAULT_SHARD_BYTES
 #: too short for a build whose parts end hours apart).
 BARRIER_TIMEOUT = datetime.timedelta(days=7)
 
+T = TypeVar("T")
+
+
+class PartOfBuild(NamedTuple):
+    """What :func:`catalog_for_part` gives a process: the catalog it writes through, the inputs
+    it does, and (relative path, bytes) of every input of the build (empty for one process
+    writing the catalog), which its build id is made of."""
+
+    catalog: BuildCatalog
+    inputs: list[str]
+    listing: list[tuple[str, int]]
+
 
 def catalog_for_part(
     layout: Layout, spec: RankSpec, inputs: Inputs, rel_paths: list[str], *, fragments: bool = False
-) -> tuple[BuildCatalog, list[str]]:
-    """The catalog this process writes through, and the inputs it does (all, for one process).
+) -> PartOfBuild:
+    """The catalog this process writes through, the inputs it does (all, for one process), and
+    the build's listing.
 
     Each rank stats every input (cheap) but hashes and encodes only its own part. A build into
     a bucket store always writes fragments (its tier's catalog is a published version, never
@@ -133,13 +149,13 @@ def catalog_for_part(
         except BaseException:
             catalog.close()
             raise
-        return catalog, rel_paths
+        return PartOfBuild(catalog, rel_paths, [])
     place.sync_fragments()
     sizes = [inputs.size(p) for p in rel_paths]
     listing = list(zip(rel_paths, sizes, strict=True))
     mine = my_part(sizes, spec) if spec.sharded else list(range(len(rel_paths)))
     part = RankPart(spec.rank, spec.world, listing)
-    return FragmentCatalog(layout, part), [rel_paths[i] for i in mine]
+    return PartOfBuild(FragmentCatalog(layout, part), [rel_paths[i] for i in mine], listing)
 
 
 def scanned_inputs(place: Inputs, layout: Layout, extensions: Sequence[str]) -> ScanResult:
@@ -225,26 +241,79 @@ def keys_for_other_ranks(spec: RankSpec, keys: Sequence[str]) -> set[str]:
     return owned_by_lower_ranks(spec.rank, [g or [] for g in gathered])
 
 
-def finish_part(layout: Layout, spec: RankSpec, *, merge: bool = False) -> bool:
-    """Under torchrun: wait for all ranks, rank 0 merges, all return merged. True if merged here.
+def gathered(spec: RankSpec, mine: T) -> list[T]:
+    """Every torchrun rank's ``mine``, in rank order (each rank calls it at the same step)."""
+    out: list[T | None] = [None] * spec.world
+    dist.all_gather_object(out, mine)
+    return cast(list[T], out)
+
+
+def check_ranks_agree(spec: RankSpec, view: BuildView, listing: list[tuple[str, int]]) -> None:
+    """Under torchrun, before any rank encodes: stop every rank unless all see the build rank 0
+    sees (the root, encoder, recipe and inputs its id is made of). Each rank would otherwise
+    seal fragments of a build of its own that never completes: the job exited 0 and published
+    no root. The listings are exchanged only where they differ, to name the inputs that do.
+
+    Raises:
+        RanksDisagree: on every rank alike, naming the first rank that differs and how.
+    """
+    if not spec.launched_together:
+        return
+    views = gathered(spec, view)
+    differ = any(v.listing != views[0].listing for v in views)
+    check_views_agree(views, gathered(spec, listing) if differ else ())
+
+
+def finish_part(
+    layout: Layout, spec: RankSpec, fragment: str | None, *, merge: bool = False
+) -> bool:
+    """Under torchrun: wait for all ranks, rank 0 merges, all return merged (True on every rank;
+    the rank that merged checks its build was published, and tells the others).
 
     Parts launched one by one (``--shard``, SLURM arrays) return at once: `featbake merge` runs
     when they are all done (a SLURM job with ``--dependency=afterok`` on the array). A single
     process building into a bucket store merges (publishes the next catalog version) itself,
     as does the driver of an engine's build (``merge``: its workers' fragments, then its own).
+    ``fragment``: this process's ``done`` fragment (None: it sealed none), whose build must
+    not be left waiting by the merge.
+
+    Raises:
+        StoreError: the merge left this build waiting (its ranks formed other builds).
     """
     if not spec.sharded and (merge or place_of(layout).builds_in_fragments()):
-        place_of(layout).merge()
+        _raise_if_waiting(unmerged(place_of(layout).merge(), fragment))
         return True
     if not spec.launched_together:
         return False
     with _process_group():
         dist.barrier()
-        merged = spec.rank == 0
-        if merged:
-            place_of(layout).merge()
-        dist.barrier()
-    return merged
+        said = [unmerged(place_of(layout).merge(), fragment) if spec.rank == 0 else ""]
+        dist.broadcast_object_list(said, src=0)  # after the merge: every rank waits for it
+    _raise_if_waiting(said[0])
+    return True
+
+
+def unmerged(report: MergeReport, fragment: str | None) -> str:
+    """What the merge that gave ``report`` left of the build of ``fragment`` (a ``done``
+    fragment's name): "" where it left nothing (merged, or no fragment), else one line."""
+    name = parse_name(Path(fragment)) if fragment else None
+    if name is None:
+        return ""
+    damaged = [f for f in report.damaged if f.startswith(f"{name.build_id}.")]
+    if damaged:
+        return f"its fragment {damaged[0]} could not be read"
+    waiting = [p for p in report.pending if p.build_id == name.build_id]
+    return waiting[0].describe() if waiting else ""
+
+
+def _raise_if_waiting(left: str) -> None:
+    """Raise where the merge left this build unpublished (``left``: what it left, see
+    :func:`unmerged`): the build must not report itself merged."""
+    if left:
+        raise StoreError(
+            f"every part of this build finished, but the merge published nothing of it "
+            f"({left}); rerun the build (what its parts sealed is reused)"
+        )
 
 
 # == redo ==========================================================================================
@@ -439,7 +508,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
         place = inputs_at(data, column, recipe.source)
         source = place.source(source_for(recipe))
         scanned = scanned_inputs(place, layout, source.extensions)
-        catalog, inputs = catalog_for_part(
+        catalog, inputs, listing = catalog_for_part(
             layout, spec, place, scanned.inputs, fragments=engine is not None
         )
         with contextlib.closing(catalog):
@@ -456,16 +525,7 @@ def build(  # noqa: PLR0913  (public API: one keyword per option, as in the CLI)
             bake.start(len(inputs), skipped)
             bake.report.notes = list(scanned.notes) if spec.rank == 0 else []
             bake.report.part = spec.describe() if spec.sharded else ""
-            with rank_group(spec):
-                with gc_paused():  # tens of thousands of small rows, no cycles: see gcpause.py
-                    todo = bake.plan(inputs)
-                    bake.load_encoder_unless_stored(todo)  # before the manifest, as it always was
-                    bake.publish_manifest()
-                bake.encode_missing(bake.leave_to_other_ranks(todo, spec))
-                bake.record_undecodable()
-                if catalog.fragmented:
-                    bake.report.fragment = catalog.finish()
-                    bake.report.merged = finish_part(layout, spec, merge=engine is not None)
+            bake.run(inputs, spec, listing, merge=engine is not None)
     bake.report.seconds = time.perf_counter() - t0
     return bake.report
 
@@ -745,6 +805,38 @@ class _Bake:
             if len(self.stored) == len(todo):
                 return
         self.ready_runner()  # loaded (for its key, or to encode): its errors come now
+
+    def run(
+        self, inputs: list[str], spec: RankSpec, listing: list[tuple[str, int]], *, merge: bool
+    ) -> None:
+        """Key ``inputs``, publish the manifest, encode what is missing and record what failed;
+        a part then seals its ``done`` fragment, and merges as :func:`finish_part` says
+        (``merge``: an engine's driver merges its workers' fragments). Under torchrun the ranks
+        first check that they all see one build (:func:`check_ranks_agree`), then exchange keys.
+        """
+        with rank_group(spec):
+            check_ranks_agree(spec, self.view(listing), listing)
+            with gc_paused():  # tens of thousands of small rows, no cycles: see gcpause.py
+                todo = self.plan(inputs)
+                self.load_encoder_unless_stored(todo)  # before the manifest, as it always was
+                self.publish_manifest()
+            self.encode_missing(self.leave_to_other_ranks(todo, spec))
+            self.record_undecodable()
+            if self.catalog.fragmented:
+                self.report.fragment = self.catalog.finish()
+                self.report.merged = finish_part(
+                    self.layout, spec, self.report.fragment, merge=merge
+                )
+                self.report.merged_by = "rank 0" if self.report.merged and spec.rank else ""
+
+    def view(self, listing: list[tuple[str, int]]) -> BuildView:
+        """What this process takes its build to be (see :func:`check_ranks_agree`)."""
+        report = self.report
+        recipe = tuple((k, str(v)) for k, v in sorted(self.recipe.as_dict().items()))
+        return BuildView(
+            report.root, self.place.where, self.column, report.encoder, report.encoder_fp,
+            recipe, report.recipe_fp, len(listing), listing_digest(listing),
+        )  # fmt: skip
 
     def leave_to_other_ranks(self, todo: dict[str, str], spec: RankSpec) -> dict[str, str]:
         """``todo`` less the keys another torchrun rank encodes (counted as duplicates)."""

@@ -15,12 +15,14 @@ parts, each job writing its own output), balanced by bytes rather than by count,
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from featbake.errors import ConfigError
+from featbake.errors import ConfigError, RanksDisagree
 
 #: The most parts a build is split into (fragment names hold the rank in five digits).
 MAX_PARTS = 99_999
@@ -231,3 +233,147 @@ def owned_by_lower_ranks(rank: int, keys_by_rank: Sequence[Sequence[str]]) -> se
     for other in keys_by_rank[:rank]:
         lower.update(other)
     return lower.intersection(keys_by_rank[rank])
+
+
+# -- ranks that disagree ---------------------------------------------------------------------
+# Every rank of a torchrun build computes the build's id from the root, the encoder's and the
+# recipe's fingerprints and the inputs' listing (store/fragments.py, ``build_id``). Ranks that
+# see another encoder (a node with another version of the module), another recipe (one rank
+# launched with another option) or another listing (a file landing between their scans) each
+# form a build of their own that never completes: before, the job exited 0, rank 0 said
+# "merged", and no root was published. The ranks now compare what makes the id before any of
+# them encodes (:func:`featbake.bake.pipeline.check_ranks_agree`), and all stop if it differs.
+
+
+@dataclass(frozen=True)
+class BuildView:
+    """What one rank takes its build to be: what the build's id is made of, and enough beside
+    it (the encoder as named, the recipe's fields, the data) to say what differs."""
+
+    root: str
+    data: str
+    column: str | None
+    encoder: str
+    encoder_fp: str
+    recipe: tuple[tuple[str, str], ...]  # the recipe's fields, as text
+    recipe_fp: str
+    inputs: int
+    listing: str  # :func:`listing_digest` of the (path, bytes) of every input
+
+
+def listing_digest(listing: Sequence[tuple[str, int]]) -> str:
+    """A digest of a build's listing, (relative path, bytes) of every input in order: two ranks
+    with the same digest computed the same build id from it."""
+    text = json.dumps([list(x) for x in listing], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_views_agree(
+    views: Sequence[BuildView], listings: Sequence[Sequence[tuple[str, int]]] = ()
+) -> None:
+    """Raise unless every rank's view equals rank 0's (``views[r]``: rank r's). ``listings``:
+    every rank's listing, when the listings differ, to name the inputs that differ.
+
+    Raises:
+        RanksDisagree: the first rank that differs, and what differs: its encoder, its recipe,
+            its root (data, encoder as named, column) or its inputs (``data_changed``).
+
+    Example:
+        >>> v = BuildView("r-1", "/d", None, "m:make", "e0", (("dtype", "float32"),), "p", 2, "l")
+        >>> check_views_agree([v, v])
+    """
+    first = views[0]
+    for rank, view in enumerate(views):
+        if view.encoder_fp != first.encoder_fp:
+            raise RanksDisagree(_encoders_differ(rank, view, first))
+        if view.recipe_fp != first.recipe_fp:
+            raise RanksDisagree(_recipes_differ(rank, view, first))
+        if view.root != first.root:
+            raise RanksDisagree(_roots_differ(rank, view, first))
+        if view.listing != first.listing:
+            theirs, mine = (listings[rank], listings[0]) if listings else ((), ())
+            said = _inputs_differ(rank, view, first, inputs_only_on(rank, theirs, mine))
+            raise RanksDisagree(said, data_changed=True)
+
+
+def _encoders_differ(rank: int, view: BuildView, first: BuildView) -> str:
+    """Rank ``rank``'s encoder is another than rank 0's: say so, with their fingerprints."""
+    named = "" if view.encoder == first.encoder else f"{first.encoder} "
+    return (
+        f"rank {rank}'s encoder differs from rank 0's: {view.encoder} is "
+        f"{view.encoder_fp[:12]} on rank {rank} and {named}{first.encoder_fp[:12]} on rank 0 "
+        "(another file, weights or version of its code on that rank's node); give every rank "
+        "the same encoder, then rerun (nothing was encoded)"
+    )
+
+
+def _recipes_differ(rank: int, view: BuildView, first: BuildView) -> str:
+    """Rank ``rank``'s recipe is another than rank 0's: name the fields that differ."""
+    mine, theirs = dict(first.recipe), dict(view.recipe)
+    fields = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    said = ", ".join(
+        f"{k} {theirs.get(k, '(none)')} on rank {rank}, {mine.get(k, '(none)')} on rank 0"
+        for k in fields
+    )
+    return (
+        f"rank {rank}'s recipe differs from rank 0's: {said or 'its fingerprint'}; launch "
+        "every rank with the same options, then rerun (nothing was encoded)"
+    )
+
+
+def _roots_differ(rank: int, view: BuildView, first: BuildView) -> str:
+    """Rank ``rank`` builds another root than rank 0 (other data, encoder name or column)."""
+    named = [
+        (what, theirs, mine)
+        for what, theirs, mine in (
+            ("data", view.data, first.data),
+            ("encoder", view.encoder, first.encoder),
+            ("column", view.column, first.column),
+        )
+        if theirs != mine
+    ]
+    said = ", ".join(f"{w} {t} on rank {rank}, {m} on rank 0" for w, t, m in named)
+    return (
+        f"rank {rank} builds another root than rank 0 ({said or f'{view.root}, {first.root}'}); "
+        "give every rank the same --data, --encoder and --column, then rerun (nothing was "
+        "encoded)"
+    )
+
+
+def _inputs_differ(rank: int, view: BuildView, first: BuildView, only: str) -> str:
+    """Rank ``rank`` listed other inputs than rank 0: the data changed as the build started."""
+    counts = f"{view.inputs:,} inputs on rank {rank}, {first.inputs:,} on rank 0"
+    return (
+        f"rank {rank} lists other inputs than rank 0 ({counts}{'; ' + only if only else ''}): "
+        "the data changed while the build started (an input added, removed or rewritten "
+        "between the ranks' scans), or the ranks do not see the same data; rerun once the "
+        "data is settled, every rank reading the same data (nothing was encoded)"
+    )
+
+
+def inputs_only_on(
+    rank: int, theirs: Sequence[tuple[str, int]], mine: Sequence[tuple[str, int]], most: int = 3
+) -> str:
+    """The inputs that rank ``rank``'s listing (``theirs``) and rank 0's (``mine``) do not
+    share, at most ``most`` of each kind named; "" where none differ (or none were given).
+
+    Example:
+        >>> inputs_only_on(1, [("a", 1), ("b", 2)], [("a", 1)])
+        'only on rank 1: b'
+        >>> inputs_only_on(1, [("a", 3)], [("a", 1), ("c", 1), ("d", 1), ("e", 1), ("f", 1)])
+        'only on rank 0: c, d, e and 1 more; another size on rank 1: a'
+    """
+    there, here = dict(theirs), dict(mine)
+    resized = {p for p in there.keys() & here.keys() if there[p] != here[p]}
+    kinds = (
+        (f"only on rank {rank}", there.keys() - here.keys()),
+        ("only on rank 0", here.keys() - there.keys()),
+        (f"another size on rank {rank}", resized),
+    )
+    return "; ".join(f"{what}: {_first(sorted(paths), most)}" for what, paths in kinds if paths)
+
+
+def _first(paths: list[str], most: int) -> str:
+    """``a, b, c and 4 more``: the first ``most`` of ``paths``, and how many are left out."""
+    more = f" and {len(paths) - most:,} more" if len(paths) > most else ""
+    return ", ".join(paths[:most]) + more

@@ -56,7 +56,8 @@ class BuildReport:
     batching_note: str = ""  # why that mode, in one line
     part: str = ""  # "part 2 of 4 (torchrun)" when this process did one part of a build
     fragment: str | None = None  # the part's sealed `done` fragment, for `featbake merge`
-    merged: bool = False  # this process merged every part's fragments (rank 0 under torchrun)
+    merged: bool = False  # every part's fragments were merged when this process returned
+    merged_by: str = ""  # who merged them, where another process did ("rank 0" under torchrun)
     fidelity: dict[str, Any] | None = None  # int8/fp8: featbake.quantize.Fidelity, measured
     fidelity_warning: str = ""  # the measured error is over --max-error, in one line
     notes: list[str] = field(default_factory=list)  # the scan's, one line each: no failures

@@ -548,6 +548,15 @@ def incomplete(report: BuildReport, where: str = "listed above") -> BuildIncompl
     )
 
 
+def _part_said(report: Any) -> str:
+    """A part's summary row: its fragment sealed, then merged (by rank 0 under torchrun, for
+    the other ranks: it merged before any rank returned) or the merge still to run."""
+    if not report.merged:
+        return f"{report.part}: fragment sealed, run `featbake merge` once every part is done"
+    by = f" by {report.merged_by}" if report.merged_by else ""
+    return f"{report.part}: fragment sealed, merged{by}"
+
+
 def _print_build_summary(report: Any) -> None:
     from featbake.quantize import Fidelity  # torch: imported when a build ran, not for --help
 
@@ -572,8 +581,7 @@ def _print_build_summary(report: Any) -> None:
         rows.append(("fidelity", Fidelity.from_json(report.fidelity).summary()))
     rows.append(("time", f"{report.seconds:.2f}s"))
     if report.part:
-        merged = "merged" if report.merged else "run `featbake merge` once every part is done"
-        rows.append(("part", f"{report.part}: fragment sealed, {merged}"))
+        rows.append(("part", _part_said(report)))
     for line in summary_lines(rows):
         out.print(line)
     for path, reason in report.failed[:50]:

@@ -28,7 +28,7 @@ from featbake.cli.supervise import (
     status_channel,
     supervise_if_build,
 )
-from featbake.errors import FeatbakeError, Terminated
+from featbake.errors import FeatbakeError, RanksDisagree, Terminated
 
 
 def _one_line_warning(message: object, category: type, *_: object, **__: object) -> str:
@@ -154,7 +154,8 @@ def _run_app(argv: list[str] | None) -> None:
     except FeatbakeError as e:
         if os.environ.get("FEATBAKE_DEBUG"):
             raise
-        red_line("error", in_part(str(e), failed=True))
+        # Ranks that disagree all stop alike, and the line names them: no one rank failed.
+        red_line("error", str(e) if isinstance(e, RanksDisagree) else in_part(str(e)))
         sys.exit(e.exit_code)
     except Terminated as e:
         # A stop asked for from outside is not a failure of its own: under torchrun the rank

@@ -8,25 +8,33 @@ assumed. Stored features are checked against the encoder run now.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
 from featbake import CachedFeatureDataset
+from featbake.bake.pipeline import finish_part
 from featbake.bake.ranks import (
     MAX_PARTS,
+    BuildView,
     RankSource,
     RankSpec,
+    check_views_agree,
     device_for_rank,
+    inputs_only_on,
     my_part,
     owned_by_lower_ranks,
     parse_shard,
@@ -35,7 +43,7 @@ from featbake.bake.ranks import (
     resolve_rank,
 )
 from featbake.encode.sources import source_for
-from featbake.errors import ConfigError
+from featbake.errors import ConfigError, RanksDisagree, StoreError
 from featbake.recipe import Recipe
 from featbake.store.catalog import Catalog
 from featbake.store.fragments import FragmentKind, fragment_keys, sealed_fragments
@@ -560,3 +568,192 @@ def test_torchrun_ranks_record_an_undecodable_input_and_the_dataset_leaves_it_ou
     done = torchrun(*args, env={"PYTHONPATH": str(REPO)})
     assert done.returncode != 0 and sealed_fragments(Layout(store)) == [], done.stderr
     assert_leaves_out_the_broken_input(many_clips, encoder_file, store, "part0/broken.wav")
+
+
+# -- ranks that do not see the same build ----------------------------------------------------
+# Each rank computes the build's id from the root, encoder, recipe and listing it sees. Ranks
+# that saw another encoder, recipe or listing each sealed a build of their own that never
+# completed: torchrun exited 0, rank 0 said "merged", and no root was published.
+LAUNCHER = """
+import json, os, shutil, sys, time
+import featbake.bake.pipeline as pipeline
+from featbake.cli.main import main
+
+rank, case = os.environ["RANK"], os.environ.get("DISAGREE", "")
+if case == "encoder" and rank == "1":
+    sys.path.insert(0, os.environ["NODE1"])  # this node's copy of the encoder's module
+if case == "inputs":  # a clip lands in the data folder after rank 0's scan, before rank 1's
+    scan, landed = pipeline.scanned_inputs, os.path.join(os.environ["DATA"], "zz_late.wav")
+
+    def scanned_inputs(*args, **kwargs):
+        deadline = time.monotonic() + 120
+        while rank == "1" and not os.path.exists(landed) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        found = scan(*args, **kwargs)
+        if rank == "0":
+            shutil.copy(os.environ["LATE"], landed + ".tmp")
+            os.replace(landed + ".tmp", landed)
+        return found
+
+    pipeline.scanned_inputs = scanned_inputs
+sys.argv = ["featbake", *json.loads(os.environ["BUILD_ARGS"])]
+if case == "option" and rank == "1":
+    sys.argv += ["--dtype", "float16"]  # one node's launch script carries another option
+main()
+"""
+
+
+def launched(
+    tmp_path: Path, args: Sequence[object], env: dict[str, str], disagree: str = ""
+) -> subprocess.CompletedProcess:
+    """Two torchrun ranks (gloo) running ``featbake *args`` through :data:`LAUNCHER`, which
+    makes them disagree as ``disagree`` says (``""``: not at all)."""
+    script = tmp_path / "launch.py"
+    script.write_text(LAUNCHER)
+    torchrun_bin = Path(sys.executable).with_name("torchrun")
+    extra = {"BUILD_ARGS": json.dumps([str(a) for a in args]), "DISAGREE": disagree}
+    return subprocess.run(
+        [str(torchrun_bin), "--nproc-per-node", "2", "--standalone", str(script)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1", **env, **extra},
+        timeout=300,
+        cwd=REPO,
+    )
+
+
+def error_lines(res: subprocess.CompletedProcess) -> list[str]:
+    """The featbake ``error:`` lines the ranks printed (a rank torchrun stopped first prints
+    ``stopped:``); none says a rank of its own failed (torchrun's own traceback follows)."""
+    assert "internal error" not in res.stderr, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert lines and all(" failed: " not in ln for ln in lines), res.stderr
+    return lines
+
+
+def assert_nothing_built(store: Path, counting_encoder: dict[str, str]) -> None:
+    """The ranks stopped before any encoded: no input encoded, no fragment, no root."""
+    assert encoded_rows(counting_encoder) == []
+    assert sealed_fragments(Layout(store)) == []
+    assert not (store / "catalog.sqlite").exists()
+
+
+def test_ranks_that_list_other_inputs_stop_and_a_rerun_publishes_every_rank_saying_merged(
+    tmp_path: Path, counting_encoder: dict[str, str]
+) -> None:
+    """A clip landing between the ranks' scans: every rank stops before encoding, saying the
+    data changed as the build started (before: exit 0, "merged", no root). Rerun, every input
+    is encoded once, and each rank says the build was merged: rank 1 used to say "run
+    `featbake merge`" although rank 0 had merged before any rank returned."""
+    data = tmp_path / "clips"
+    write_audio_folder(data, 6, seconds=(0.2, 0.5), seed=31)
+    write_audio_folder(tmp_path / "late", 1, seconds=0.4, seed=32)
+    store = tmp_path / "store"
+    args = ("build", "-e", ENCODER, "-d", data, "--cache", store, "--workers", "0")
+    late = str(next((tmp_path / "late").glob("*.wav")))
+    env = {**counting_encoder, "DATA": str(data), "LATE": late}
+    stopped = launched(tmp_path, args, env, disagree="inputs")
+    assert stopped.returncode != 0
+    said = error_lines(stopped)
+    assert len(set(said)) == 1, said  # every rank says the same
+    assert "rank 1 lists other inputs than rank 0 (7 inputs on rank 1, 6 on rank 0" in said[0]
+    assert "only on rank 1: zz_late.wav" in said[0]
+    assert "the data changed while the build started" in said[0] and "rerun" in said[0]
+    assert_nothing_built(store, counting_encoder)
+
+    done = launched(tmp_path, args, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    parts = sorted(ln.strip() for ln in done.stdout.splitlines() if ln.startswith("part"))
+    assert parts == [
+        "part      part 1 of 2 (torchrun): fragment sealed, merged",
+        "part      part 2 of 2 (torchrun): fragment sealed, merged by rank 0",
+    ], done.stdout
+    calls = Counter(encoded_rows(counting_encoder))
+    assert len(calls) == 7 and set(calls.values()) == {1}
+    assert sealed_fragments(Layout(store)) == []
+    assert len(assert_serves_live(store, data)) == 7
+    assert "nothing to merge" in invoke("merge", "--cache", store).stdout
+
+
+@pytest.mark.parametrize("disagree", ["encoder", "option"])
+def test_ranks_given_another_encoder_or_option_all_stop_before_encoding(
+    tmp_path: Path, counting_encoder: dict[str, str], disagree: str
+) -> None:
+    """Rank 1's node holds another version of the encoder's module at the same import path, or
+    its launch carries ``--dtype float16``: every rank stops before encoding with one line
+    naming what differs (before: exit 0, "merged", two half builds pending for ever)."""
+    from tests.conftest import COUNTING_ENCODER
+
+    node1 = tmp_path / "node1"
+    node1.mkdir()
+    other = COUNTING_ENCODER.replace("return CountingEncoder()", "return CountingEncoder(seed=1)")
+    (node1 / "countenc.py").write_text(other)
+    data = tmp_path / "clips"
+    write_audio_folder(data, 4, seconds=(0.2, 0.4), seed=33)
+    store = tmp_path / "store"
+    args = ("build", "-e", ENCODER, "-d", data, "--cache", store, "--workers", "0")
+    env = {**counting_encoder, "NODE1": str(node1)}
+    res = launched(tmp_path, args, env, disagree=disagree)
+    assert res.returncode != 0
+    said = error_lines(res)
+    assert len(set(said)) == 1, said
+    if disagree == "encoder":
+        assert "rank 1's encoder differs from rank 0's: countenc:build is " in said[0]
+        assert "give every rank the same encoder" in said[0]
+    else:
+        assert "rank 1's recipe differs from rank 0's: dtype float16 on rank 1, float32" in said[0]
+        assert "launch every rank with the same options" in said[0]
+    assert_nothing_built(store, counting_encoder)
+
+
+def view(**changes: object) -> BuildView:
+    """A rank's view of a build, with ``changes``."""
+    base = BuildView(
+        "r-1", "/d", None, "m:make", "e" * 64, (("dtype", "float32"),), "p" * 64, 2, "l" * 64
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_the_first_rank_that_differs_is_named_with_what_differs_and_its_exit_code() -> None:
+    check_views_agree([view(), view(), view()])
+    cases = [
+        (view(encoder_fp="f" * 64), "rank 2's encoder differs from rank 0's", 2),
+        (view(recipe_fp="q" * 64, recipe=(("dtype", "int8"),)), "dtype int8 on rank 2", 2),
+        (view(root="r-2", data="/e"), "data /e on rank 2, /d on rank 0", 2),
+        (view(root="r-2", column="text"), "column text on rank 2, None on rank 0", 2),
+        (view(listing="m" * 64, inputs=3), "3 inputs on rank 2, 2 on rank 0", 8),
+    ]
+    for other, says, code in cases:
+        with pytest.raises(RanksDisagree, match=re.escape(says)) as caught:
+            check_views_agree([view(), view(), other])
+        assert caught.value.exit_code == code and "\n" not in str(caught.value)
+    assert inputs_only_on(1, [("a", 1), ("b", 2)], [("a", 1)]) == "only on rank 1: b"
+    many = [(f"{i}.wav", 1) for i in range(5)]
+    assert inputs_only_on(1, [("0.wav", 9)], many) == (
+        "only on rank 0: 1.wav, 2.wav, 3.wav and 1 more; another size on rank 1: 0.wav"
+    )
+
+
+def test_a_merge_that_leaves_the_build_waiting_is_never_reported_merged(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's merge under torchrun: its build's other part sealed nothing of this build (it
+    formed another), so the merge publishes nothing. Before, finish_part said merged anyway."""
+    data = tmp_path / "clips"
+    write_audio_folder(data, 4, seconds=(0.2, 0.4), seed=34)
+    store = tmp_path / "store"
+    args = ("build", "-e", encoder_file, "-d", data, "--cache", store, "--workers", "0")
+    part = invoke(*args, "--shard", "0/2", "--json")
+    assert part.returncode == 0, part.stderr
+    fragment = json.loads(part.stdout)["fragment"]
+    with socket.socket() as s:  # a group of one process stands for the ranks' group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    spec = RankSpec(0, 2, 0, RankSource.TORCHRUN)
+    with pytest.raises(StoreError, match=r"the merge published nothing of it \(root r-"):
+        finish_part(Layout(store), spec, fragment)
+    assert FragmentKind.DONE in {f.kind for f in sealed_fragments(Layout(store))}  # waiting
