@@ -36,6 +36,7 @@ from featbake.store.catalog import Access, catalog_file_problems, open_sqlite
 from featbake.store.files import Hold, holding, list_folder, publish_file
 from featbake.store.fragments import (
     fragment_shard_names,
+    fragment_shards,
     fragments_dir,
     parse_name,
     sealed_fragments,
@@ -87,7 +88,8 @@ from featbake.units import format_bytes
 #
 # - a shard missing from the tier is fetched whole into it (:class:`DiskTier`);
 # - a sealed fragment is uploaded after the shards it names (write first, publish second), so a
-#   build killed at any moment keeps every fragment it sealed, on any node;
+#   build killed at any moment keeps every fragment it sealed, on any node (one killed between
+#   its seal and its upload leaves it in the tier, and the node's next sync uploads it);
 # - :meth:`sync_catalog` brings the newest published catalog version into the tier.
 #
 # Merging and gc, which publish new versions, are below (publish).
@@ -810,7 +812,10 @@ class BucketStore(ProcessLocalState):
         The tier's copies of fragments the bucket held (uploaded or downloaded here: see
         :data:`SEEN_FRAGMENTS`) and no longer lists are let go first: some node merged and
         retired them, and a copy kept would be merged again (a root dropped since would come
-        back) and keep its keys from gc for ever.
+        back) and keep its keys from gc for ever. Fragments sealed here that the bucket never
+        held (a process killed before their upload, or whose upload failed) are adopted next
+        (:meth:`_adopted`): a rerun counts their features as stored, so the merge must fold
+        them.
         """
         here = fragments_dir(self.layout)
         here.mkdir(parents=True, exist_ok=True)
@@ -821,6 +826,8 @@ class BucketStore(ProcessLocalState):
             for name in retired_copies(seen, listed):
                 with contextlib.suppress(FileNotFoundError):
                     (here / name).unlink()
+            sealed = {f.path.name for f in sealed_fragments(self.layout)}
+            listed |= self._adopted(unsent_copies(sealed, seen, listed))
             for name in sorted(listed):
                 final = here / name
                 if parse_name(final) is None or final.exists():
@@ -832,6 +839,30 @@ class BucketStore(ProcessLocalState):
             self._write_seen(seen & listed | {n for n in listed if (here / n).exists()})
         self.listed_fragments = frozenset(listed)
         return got
+
+    def _adopted(self, names: Collection[str]) -> set[str]:
+        """The tier's unsent fragments ``names`` uploaded now, after the shards they name; the
+        names uploaded. One a live process holds is on its way up (its writer holds it until
+        uploaded: :func:`~featbake.store.fragments.write_fragment`), and one unreadable is left
+        as it is (neither counts as stored nor is merged). One naming a shard gone from both
+        the tier and the bucket names features nobody can read: it is removed, so they count
+        as missing and a build encodes them again."""
+        adopted: set[str] = set()
+        for name in sorted(names):
+            path = fragments_dir(self.layout) / name
+            if held_now(Held(str(path), 0, 0.0)):
+                continue
+            shards = fragment_shards(path)
+            if shards is None:
+                continue
+            try:
+                self.publish_shards(shards)
+            except ShardMissing:
+                path.unlink(missing_ok=True)
+                continue
+            self.bucket.upload(f"{FRAGMENTS}{name}", path)
+            adopted.add(name)
+        return adopted
 
     @property
     def _seen_lock(self) -> Path:
@@ -885,6 +916,19 @@ def retired_copies(seen: Collection[str], listed: Collection[str]) -> set[str]:
         ['a']
     """
     return set(seen) - set(listed)
+
+
+def unsent_copies(
+    sealed: Collection[str], seen: Collection[str], listed: Collection[str]
+) -> set[str]:
+    """The fragments sealed in a tier that the bucket neither lists nor ever held (``seen``):
+    sealed here, never uploaded (pure).
+
+    Example:
+        >>> sorted(unsent_copies({"a", "b", "c"}, {"a"}, {"b"}))
+        ['c']
+    """
+    return set(sealed) - set(seen) - set(listed)
 
 
 def catalog_shards(catalog: Path, *, required: bool = False) -> dict[str, int]:

@@ -28,9 +28,10 @@ named, and at most ``max_age_s`` of sealing): its rerun encodes those inputs aga
 their shards, which nothing names, after the bucket's retention. A directory seals each fragment
 at once as before: it is a file where it lasts, with nothing to upload.
 
-Each seal writes its fragment with :func:`featbake.store.fragments.write_fragment`, then hands it
-to the store's place (``publish_fragment``: a bucket uploads it after the shards it names, a
-directory holds it already); ``featbake merge`` folds it in (:mod:`featbake.store.merge`).
+Each seal writes its fragment with :func:`featbake.store.fragments.write_fragment`, which hands
+it to the store's place while it still holds the file (``publish_fragment``: a bucket uploads it
+after the shards it names, a directory holds it already); ``featbake merge`` folds it in
+(:mod:`featbake.store.merge`).
 """
 
 from __future__ import annotations
@@ -583,17 +584,16 @@ class FragmentCatalog:
             if taken is None:
                 return None
             shards = list(taken.shards.values())
+            unsent = [s.name for s in shards if s.name not in taken.shipped]
             try:
+                # Where the place keeps fragments elsewhere (a bucket): the shards, then the
+                # fragment naming them, while the file is held; a directory holds it already.
+                # (A batched rank's shards are uploaded already: only the fragment goes now.)
                 path = write_fragment(
                     self.layout, taken.info, kind, shards, taken.items,
                     list(taken.hashes.values()), taken.uses, taken.done,
+                    publish=lambda p: self.place.publish_fragment(p, unsent),
                 )  # fmt: skip
-                # Where the place keeps fragments elsewhere (a bucket): the shards, then the
-                # fragment naming them; a directory holds it already.
-                # (A batched rank's shards are uploaded already: only the fragment goes now.)
-                self.place.publish_fragment(
-                    path, [s.name for s in shards if s.name not in taken.shipped]
-                )
             except ShardMissing:  # never named again by every later seal: the writer rewrites it
                 gone = {n for n in taken.shards if not holds_shard(self.layout, n)}
                 with self._lock:

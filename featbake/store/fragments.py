@@ -266,7 +266,7 @@ def sealed_fragments(layout: Layout) -> list[FragmentName]:
     return [n for n in map(parse_name, files) if n is not None]
 
 
-def write_fragment(
+def write_fragment(  # noqa: PLR0913  (a fragment's parts, and its publish while held)
     layout: Layout,
     info: BuildInfo,
     kind: FragmentKind,
@@ -275,37 +275,46 @@ def write_fragment(
     hashes: Sequence[HashCacheRow] = (),
     uses: Sequence[Use] = (),
     done: DoneRecord = DoneRecord(),
+    publish: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a fragment to tmp/, fsync it and rename it into fragments/ (which seals it); where
-    the store's place keeps fragments elsewhere (a bucket), the caller publishes it there next
-    (:meth:`~featbake.store.place.Place.publish_fragment`).
+    the store's place keeps fragments elsewhere (a bucket), ``publish`` puts it there
+    (:meth:`~featbake.store.place.Place.publish_fragment`) while this process still holds the
+    file: a sealed fragment nobody holds and the bucket never had is one a process killed (or
+    whose upload failed) left unsent, which the bucket's next sync adopts, never one still on
+    its way up (:meth:`~featbake.store.bucket.BucketStore.sync_fragments`).
 
     Raises:
         ShardMissing: a shard's file vanished before it was named (the writer writes it again).
-        StoreError: the store is not writable.
+        StoreError: the store is not writable (or ``publish`` failed: its own error).
     """
     final = fragments_dir(layout) / (
         f"{info.build_id}.r{info.rank:05d}-of-{info.world:05d}.{uuid.uuid4().hex[:12]}."
         f"{kind.value}{SUFFIX}"
     )
     tmp = layout.tmp / f"fragment-{uuid.uuid4().hex}.part"
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        extra = {"kind": kind.value, **done.meta()}
-        with holding(tmp) as held:  # held while it is written: no gc's sweep takes it
+    with contextlib.ExitStack() as hold:
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            extra = {"kind": kind.value, **done.meta()}
+            held = hold.enter_context(holding(tmp))  # held while written: no sweep takes it
             _fill(layout, tmp, info, extra, shards, items, hashes, uses)
             os.fsync(held.fd)  # the held descriptor: no second open of the file to close
-            os.replace(tmp, final)
-        fsync_dir(final.parent)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if isinstance(e, ShardMissing) or not isinstance(e, OSError | sqlite3.Error | StoreError):
-            raise
-        raise StoreError(
-            f"could not write the catalog fragment {final}: {e}; check that the cache directory "
-            "is writable and has space"
-        ) from e
+            os.replace(tmp, final)  # the lock goes with the file: held until published
+            fsync_dir(final.parent)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            if isinstance(e, ShardMissing) or not isinstance(
+                e, OSError | sqlite3.Error | StoreError
+            ):
+                raise
+            raise StoreError(
+                f"could not write the catalog fragment {final}: {e}; check that the cache "
+                "directory is writable and has space"
+            ) from e
+        if publish is not None:
+            publish(final)
     return final
 
 
@@ -481,6 +490,12 @@ def fragment_shard_names(layout: Layout) -> set[str]:
     for frag in sealed_fragments(layout):  # one merged since the listing: in the catalog now
         names.update(_read_sealed(frag.path, _shard_names) or ())
     return names
+
+
+def fragment_shards(path: Path) -> list[str] | None:
+    """The shards sealed fragment ``path`` names; None where it cannot be read (gone, or
+    damaged)."""
+    return _read_sealed(path, _shard_names)
 
 
 def _shard_names(conn: sqlite3.Connection) -> list[str]:

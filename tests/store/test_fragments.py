@@ -752,11 +752,11 @@ class HeldUp:
         self.real = fragments_module.write_fragment
         self.after = after  # called once the fragment is renamed into place
 
-    def __call__(self, layout, info, kind, shards, items=(), hashes=(), uses=(), fidelity=""):
+    def __call__(self, layout, info, kind, shards, items=(), hashes=(), uses=(), fidelity="", **kw):
         self.calls.append(([s.name for s in shards], [h.path for h in hashes]))
         self.entered.set()
         self.release.wait(timeout=120)  # released by the test; bounded so nothing hangs for good
-        path = self.real(layout, info, kind, shards, items, hashes, uses, fidelity)
+        path = self.real(layout, info, kind, shards, items, hashes, uses, fidelity, **kw)
         self.after()
         return path
 

@@ -3,6 +3,7 @@ served misses written back: every run ends with every feature served equal to li
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from featbake.encode.sources import source_for
 from featbake.store.bucket import merge_bucket
 from featbake.store.catalog import Catalog
 from featbake.store.fragment_catalog import Batching, FragmentCatalog, RankPart
+from featbake.store.fragments import fragment_keys
 from featbake.store.open import open_store
 from featbake.store.roots import RootSpec
 from featbake.store.shard import write_shard
@@ -103,6 +105,61 @@ def test_a_build_killed_mid_run_is_finished_by_a_rerun_on_another_node(
     assert_bucket_serves_live(place, clips, tmp_path)
     clean = invoke("verify", "--cache", place.url, env=node(place, "c", tmp_path, counting_encoder))
     assert clean.returncode == 0 and "verify: clean" in clean.stdout, clean.stderr
+
+
+#: A build into a bucket SIGKILLed once it sealed its first part fragment in the node's tier,
+#: before that fragment's upload (its shard went up as it was sealed: a rank ships each shard).
+KILLED_BEFORE_THE_UPLOAD = """
+import os, signal, sys
+import featbake
+from featbake.store import bucket
+
+def killed(self, fragment, shards):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+bucket.BucketStore.publish_fragment = killed
+data, url = sys.argv[1:]
+featbake.build(data, "countenc:build", cache=url, workers=0, batch_size=1, shard_bytes=1024)
+"""
+
+
+def test_a_fragment_sealed_but_never_uploaded_is_adopted_by_the_rerun(
+    s3: S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
+) -> None:
+    """A fragment the tier holds and the bucket never had (its build killed between the seal
+    and the upload) is uploaded by the node's next sync: the rerun there reuses its feature
+    and publishes a root missing nothing. Before, the rerun counted it stored (the tier's
+    fragments/ holds it) but no merge folded it (the bucket never listed it): exit 0, what it named
+    items missing in every later version, verify clean, the dataset's CacheMiss."""
+    monkeypatch.syspath_prepend(counting_encoder["PYTHONPATH"].split(os.pathsep)[1])
+    env = {**os.environ, **node(s3, "a", tmp_path, counting_encoder)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_BEFORE_THE_UPLOAD, str(clips), s3.url],
+        env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    tier = Path(env["FEATBAKE_LOCAL_CACHE"])
+    unsent = list(tier.rglob("fragments/*.part.sqlite"))  # sealed here, never sent
+    assert len(unsent) == 1 and not s3.objects("fragments/") and not s3.objects("catalog/")
+    sealed = len(fragment_keys(unsent))
+    first_run = len(encoded_rows(counting_encoder))
+    assert sealed >= 1
+
+    rerun = invoke(
+        *build_args(clips, s3.url), "--json", env=node(s3, "a", tmp_path, counting_encoder)
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    report = json.loads(rerun.stdout)
+    assert (report["encoded"], report["reused"]) == (24 - sealed, sealed)
+    assert len(encoded_rows(counting_encoder)) == first_run + 24 - sealed
+    assert not s3.objects("fragments/") and not list(tier.rglob("fragments/*.sqlite"))
+    roots = invoke("roots", "--json", "--cache", s3.url, env=node(s3, "b", tmp_path, {}))
+    assert [(r["items"], r["missing"]) for r in json.loads(roots.stdout)] == [(24, 0)]
+    assert_bucket_serves_live(s3, clips, tmp_path)
+    clean = invoke("verify", "--cache", s3.url, env=node(s3, "c", tmp_path, counting_encoder))
+    assert clean.returncode == 0 and "verify: clean" in clean.stdout, clean.stderr
+    assert "orphan" not in clean.stdout + clean.stderr
 
 
 @pytest.mark.slow
