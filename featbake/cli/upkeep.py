@@ -316,7 +316,8 @@ def gc(
                 "Features a build still running reuses, or one not merged yet names (parts, "
                 "a dataset's serve fragments), are kept and count toward the budget: a note "
                 "then says by how much it stays exceeded, who holds them and what frees them "
-                "(exit 0)."
+                "(exit 0). A bucket store never rewrites a shard, so there whole shards go, "
+                "least recently used first."
             ),
             show_default=False,
         ),

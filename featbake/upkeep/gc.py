@@ -242,6 +242,7 @@ class GcPlan:
             "freed_bytes": self.freed_bytes,
             "over_budget_bytes": 0,
             "kept_for_builds_bytes": 0,
+            "kept_beside_bytes": 0,
             "kept_for": [],
         } | (self.shortfall.to_json() if self.shortfall else {})
 
@@ -259,7 +260,8 @@ def plan_gc(
     Args:
         cache: the store (a directory, a bucket URL, or its :class:`Layout`).
         options: thresholds and budgets (:class:`GcOptions`); a place that does not rewrite
-            shards (a bucket) plans no compaction.
+            shards (a bucket) plans no compaction, and ``max_bytes`` evicts whole shards there
+            (:func:`whole_shard_evictions`).
         now: the time "now" (tests pass one to age things without waiting).
         drop: names of roots to drop besides those ``older_than`` selects.
 
@@ -283,6 +285,7 @@ def plan_gc(
             uses = recorded_uses(layout)
             roots = [with_reads(catalog, r, uses) if r.last_used < stale else r for r in roots]
         drops = roots_to_drop(layout, roots, opts, now, set(drop))
+        place.sync_fragments()  # a bucket's, here first: a dry run merges none in beforehand
         waiting = kept_for_builds(layout)  # what builds not merged yet name: kept, not evicted
         unreached, reached = _reach(catalog, roots, {d.name for d in drops}, opts, waiting)
         shard_rows = catalog.shard_rows()
@@ -292,14 +295,14 @@ def plan_gc(
         short = None
         if opts.max_bytes is not None and reached is not None:
             shards = _shards_of(reached, shard_rows)
-            evict = evictions(reached, shards, opts.max_bytes, waiting)
-            short = over_budget(layout, reached, shards, opts.max_bytes, evict, waiting)
+            whole = not place.rewrites_shards()
+            evict, short = budget_evictions(layout, reached, shards, opts.max_bytes, waiting, whole)
         fates = shard_fates(
             shard_rows,
             catalog.shard_usage(),
             removed_per_shard(unreached, evict),
             opts,
-            _must_rewrite(opts, evict, shard_rows),
+            place.rewrites_shards() and _must_rewrite(opts, evict, shard_rows),
         )
     sweep = place.plan_sweep(now, opts.grace, opts.retention)
     return GcPlan(
@@ -529,6 +532,80 @@ def evictions(
         out.extend(by_key[key])
         total -= costs[key]
     return out
+
+
+def budget_evictions(
+    layout: Layout,
+    reached: list[FeatureRef],
+    shards: dict[int, ShardRow],
+    budget: int,
+    kept: AbstractSet[str],
+    whole: bool,
+) -> tuple[list[FeatureRef], Shortfall | None]:
+    """The rows ``--max-bytes`` evicts, and why the store stays over ``budget`` after (None:
+    it fits): by feature where shards are rewritten, by ``whole`` shards where they never are
+    (a bucket store: only deleting a shard's object frees its bytes)."""
+    if whole:
+        evict = whole_shard_evictions(reached, shards, budget, kept)
+        return evict, whole_shard_over_budget(layout, reached, shards, budget, evict, kept)
+    evict = evictions(reached, shards, budget, kept)
+    return evict, over_budget(layout, reached, shards, budget, evict, kept)
+
+
+def _rows_by_shard(reached: list[FeatureRef]) -> dict[int, list[FeatureRef]]:
+    """shard id -> the reached rows it holds."""
+    rows: dict[int, list[FeatureRef]] = defaultdict(list)
+    for ref in reached:
+        rows[ref.shard_id].append(ref)
+    return rows
+
+
+def whole_shard_evictions(
+    reached: list[FeatureRef],
+    shards: dict[int, ShardRow],
+    budget: int,
+    kept: AbstractSet[str] = frozenset(),
+) -> list[FeatureRef]:
+    """The rows of the least recently used whole shards (by their latest use), evicted until
+    the shards left fit ``budget``, where shards are never rewritten (a bucket store): there
+    evicting part of a shard frees nothing and loses its features for nothing, so a row goes
+    only with its whole shard, and a shard holding a key in ``kept`` stays (see
+    :func:`evictions`; :func:`whole_shard_over_budget` says what that leaves)."""
+    by_shard = _rows_by_shard(reached)
+    total = sum(shards[i].bytes for i in by_shard)
+    free = [i for i, rows in by_shard.items() if not any(r.key in kept for r in rows)]
+    out: list[FeatureRef] = []
+    for i in sorted(free, key=lambda i: (max(r.last_used for r in by_shard[i]), shards[i].name)):
+        if total <= budget:
+            break
+        out.extend(by_shard[i])
+        total -= shards[i].bytes
+    return out
+
+
+def whole_shard_over_budget(
+    layout: Layout,
+    reached: list[FeatureRef],
+    shards: dict[int, ShardRow],
+    budget: int,
+    evict: list[FeatureRef],
+    kept: AbstractSet[str],
+) -> Shortfall | None:
+    """:func:`over_budget` where shards are never rewritten: each shard left weighs its whole
+    object (shared among its keys), and the bytes beside the kept features in their shards
+    (other features, dead rows), which only a rewrite would free, are said too."""
+    gone = {r.shard_id for r in evict}
+    left = {i: rows for i, rows in _rows_by_shard(reached).items() if i not in gone}
+    costs: dict[str, float] = defaultdict(float)
+    for i, rows in left.items():
+        keys = {r.key for r in rows}
+        for key in keys:
+            costs[key] += shards[i].bytes / len(keys)
+    short = shortfall(layout, budget, costs, frozenset(kept))
+    if short is None:
+        return None
+    pinned = sum(shards[i].bytes for i, rows in left.items() if any(r.key in kept for r in rows))
+    return dataclasses.replace(short, beside_bytes=max(0, pinned - short.kept_bytes))
 
 
 def over_budget(

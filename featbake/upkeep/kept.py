@@ -73,22 +73,32 @@ class Shortfall:
     over_bytes: int
     kept_bytes: int
     keepers: tuple[tuple[Keeper, int], ...]
+    #: where shards are never rewritten (a bucket store): the bytes beside the kept features in
+    #: their shards (other features, dead rows), which stay with them
+    beside_bytes: int = 0
 
     def line(self, merge: str = MERGE) -> str:
         """One line: the budget left exceeded, and each holder with what to do (``merge``: the
         merge command for this store, ``featbake merge --cache STORE``)."""
         held = "; ".join(k.line(n, merge) for k, n in self.keepers)
         held = held or "builds not merged yet hold them"
+        beside = (
+            f"; a bucket store never rewrites a shard, so the {format_bytes(self.beside_bytes)} "
+            "beside them in their shards stays too"
+            if self.beside_bytes
+            else ""
+        )
         return (
             f"gc stays {format_bytes(self.over_bytes)} over --max-bytes "
             f"{format_bytes(self.budget)}: {format_bytes(self.kept_bytes)} of features are kept "
-            f"for builds and datasets not merged yet ({held})"
+            f"for builds and datasets not merged yet ({held}){beside}"
         )
 
     def to_json(self) -> dict[str, Any]:
         return {
             "over_budget_bytes": self.over_bytes,
             "kept_for_builds_bytes": self.kept_bytes,
+            "kept_beside_bytes": self.beside_bytes,
             "kept_for": [k.to_json(n) for k, n in self.keepers],
         }
 

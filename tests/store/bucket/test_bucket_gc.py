@@ -27,6 +27,7 @@ from featbake.store.shard import write_shard
 from featbake.store.url import BucketURL
 from featbake.store.versions import newest, version_name
 from featbake.testing import write_audio_folder
+from featbake.units import format_bytes
 from featbake.upkeep import GcOptions, execute_gc, gc, plan_gc, verify
 from featbake.upkeep.check import verify_named
 from tests.conftest import REPO, invoke, live_features
@@ -306,3 +307,67 @@ def test_a_bucket_gc_counts_no_bytes_of_a_leftover_another_gc_removed(
     left.rmdir()
     done = execute_gc(plan)
     assert (done.tmp_removed, done.bytes_freed) == (0, 0)
+
+
+def named_bytes(url: str, tier: Path) -> int:
+    """The bytes of the shards the bucket's newest catalog version names (read from ``tier``)."""
+    store = bucket_store(url, tier)
+    store.sync_catalog()
+    return sum(store.named_shards().values())
+
+
+def test_gc_max_bytes_on_a_bucket_deletes_whole_shards_and_plans_no_rewrite(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """A bucket store never rewrites a shard, so ``gc --max-bytes`` evicts whole shards, least
+    recently used first, until those left fit. Before, the byte budget forced a rewrite back
+    on: the dry run said "1 rewritten", and the run warned that the shard "is gone" from its
+    catalog copy's folder and to run `featbake verify --repair`, which a bucket refuses. The
+    dry run and the run agree, and every item serves equal to the encoder now (the evicted
+    ones encoded again)."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=16_384)
+    budget = named_bytes(s3.url, tmp_path / "before") // 2
+    args = ("gc", "--cache", s3.url, "--max-bytes", str(budget), "--json")
+    dry = invoke(*args, "--dry-run", env={"FEATBAKE_LOCAL_CACHE": str(tmp_path / "dry")})
+    assert dry.returncode == 0, dry.stderr
+    plan = json.loads(dry.stdout)["plan"]
+    assert plan["shards_rewritten"] == 0 and plan["shards_deleted"] >= 1, plan
+    assert plan["over_budget_bytes"] == 0
+
+    ran = invoke(*args, env={"FEATBAKE_LOCAL_CACHE": str(tmp_path / "gc")})
+    assert ran.returncode == 0 and "warning" not in ran.stderr and "note" not in ran.stderr, (
+        ran.stderr
+    )
+    done = json.loads(ran.stdout)
+    assert done["plan"]["shards_deleted"] == plan["shards_deleted"]
+    assert done["plan"]["evicted_features"] == plan["evicted_features"]
+    assert done["result"]["shards_written"] == 0
+    assert named_bytes(s3.url, tmp_path / "after") <= budget
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r")
+    assert_live(ds, encoder_file)
+
+
+def test_gc_max_bytes_on_a_bucket_says_what_shards_a_part_not_merged_keep_hold(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """A bucket store built whole, then part 0/2 of a build in two parts (its `done` fragment
+    names the 8 stored features it reused, and no merge ran): the shards holding them stay
+    whole, and one note, the same in the dry run and the run, says by how much the budget
+    stays exceeded, who holds what, and what stays beside them in those shards."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=100_000)
+    part0 = build(audio_dir, encoder_file, cache=s3.url, workers=0, shard="0/2")
+    assert part0.reused == 8
+    args = ("gc", "--cache", s3.url, "--max-bytes", "1")
+    dry = invoke(*args, "--dry-run", env={"FEATBAKE_LOCAL_CACHE": str(tmp_path / "dry")})
+    ran = invoke(*args, env={"FEATBAKE_LOCAL_CACHE": str(tmp_path / "gc")})
+    notes = [
+        [line for line in r.stderr.splitlines() if "over --max-bytes" in line] for r in (dry, ran)
+    ]
+    assert dry.returncode == ran.returncode == 0 and "warning" not in ran.stderr, ran.stderr
+    assert len(notes[0]) == 1 and notes[0] == notes[1], (dry.stdout, ran.stderr)
+    left = named_bytes(s3.url, tmp_path / "after")
+    assert f"gc stays {format_bytes(left - 1)} over --max-bytes 1 B" in notes[1][0]
+    assert "build in parts (1 of 2 done)" in notes[1][0]
+    assert "never rewrites a shard" in notes[1][0]
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r")
+    assert_live(ds, encoder_file)
