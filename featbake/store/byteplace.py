@@ -970,6 +970,25 @@ def ranged_object(url: str, size: int | None = None) -> RangedObject:
     return RangedObject(url, size, object_fetch(url))
 
 
+#: Why an object whose key holds an empty, ``.`` or ``..`` folder is no input.
+UNNAMABLE_KEY = (
+    "the object's key holds an empty, '.' or '..' folder ('a//b.wav'), which an input's path "
+    "cannot name (it would read another object); rename the object to include it"
+)
+
+
+def unnamable_key(rel: str) -> bool:
+    """Whether an object's key (relative to the prefix listed) holds an empty, ``.`` or ``..``
+    folder: its URL read back as a path names another object (``audio/sub//x.wav`` is read as
+    ``audio/sub/x.wav``), so it is passed over, never read as that other object's bytes.
+
+    Example:
+        >>> [unnamable_key(k) for k in ("a/b.wav", "a//b.wav", "./b.wav", "a/../b.wav")]
+        [False, True, True, True]
+    """
+    return any(part in ("", ".", "..") for part in rel.split("/"))
+
+
 class Objects(BytePlace):
     """Objects in a bucket, named by URL (``s3://``, ``gs://``, ``az://``): read by ranged GETs,
     each response carrying the object's stat."""
@@ -991,9 +1010,14 @@ class Objects(BytePlace):
             for o in listing
             if o.name.lower().endswith(exts) and not passed_over(o.name[len(key) :])
         }
+        skipped = [Passed(n, UNNAMABLE_KEY) for n in sorted(listed) if unnamable_key(n)]
+        for passed in skipped:
+            del listed[passed.path]
         rels = [o.name[len(key) :] for o in listing]
         refuse_tars_beside_files(prefix, [n for n in rels if "/" not in n and not hidden_name(n)])
         tars = [n for n in rels if "/" in n and is_tar(n) and not passed_over(n)]
+        if not listed and skipped:
+            raise SourceError(f"{prefix}/{skipped[0].path}: {skipped[0].reason}")
         if not listed:
             found = f"{len(listing)} objects, none of them" if listing else "no objects, so no"
             raise SourceError(
@@ -1004,7 +1028,7 @@ class Objects(BytePlace):
         names = sorted(listed)
         refuse_several_splits(prefix, names, bucket_card(bucket, key, rels))  # as a folder's
         note = nested_tars_note(prefix, tars, exts)
-        return Found(names, [], listed, (note,) if note else ())
+        return Found(names, skipped, listed, (note,) if note else ())
 
     def folder(self, where: str) -> str:
         return str(BucketURL.parse(where))
@@ -1057,6 +1081,8 @@ class Objects(BytePlace):
 
     def named(self, value: str, base: str) -> str:
         BucketURL.parse(value.rpartition("/")[0])  # a malformed URL: its one line
+        if unnamable_key(value.split("://", 1)[1].partition("/")[2]):
+            raise ConfigError(f"{value}: {UNNAMABLE_KEY}")
         return value
 
     def recorded_ns(self, rows: Sequence[HashRow], stat_time: int) -> int:

@@ -35,6 +35,7 @@ import filecmp
 import functools
 import hashlib
 import os
+import re
 import tempfile
 import time
 from collections import Counter
@@ -1342,12 +1343,12 @@ class GCSObjects(ObjectStore):
 
         if isinstance(e, gx.RetryError) and isinstance(e.cause, Exception):
             self.translate(name, e.cause)  # what the last try met, after the library's tries
-        if isinstance(e, ax.DefaultCredentialsError | ax.RefreshError):
-            raise self.no_credentials() from None
+        if isinstance(e, ax.GoogleAuthError):
+            raise self.credentials_failed(name, e) from None
         if isinstance(e, gx.PreconditionFailed):
             raise Exists(name) from None
         if isinstance(e, gx.NotFound):
-            if "bucket" in str(e).lower() or name.endswith("/") or not name:
+            if self.says_no_bucket(name, str(e.message)):
                 raise self.no_bucket() from None
             raise Absent(name) from None
         if isinstance(e, gx.Forbidden | gx.Unauthorized):
@@ -1372,6 +1373,31 @@ class GCSObjects(ObjectStore):
         if isinstance(e, gx.GoogleAPICallError):
             raise StoreError(f"{self.where(name)}: {e.code}: {redact(str(e.message))}") from e
         raise e
+
+    def credentials_failed(self, name: str, e: BaseException) -> StoreError:
+        """The one line for credentials that are not there or could not be refreshed: their
+        token endpoint unreachable (an offline node) is said as such, not as storage's."""
+        from google.auth import exceptions as ax
+
+        if isinstance(e, ax.TransportError):
+            return StoreError(
+                f"cannot reach the token endpoint of the Application Default Credentials for "
+                f"{self.where(name)} ({redact(first_line(e))}); check the network (an offline "
+                "node needs STORAGE_EMULATOR_HOST or credentials it can refresh)"
+            )
+        return self.no_credentials()
+
+    def says_no_bucket(self, name: str, message: str) -> bool:
+        """Whether a 404 for ``name`` says the bucket is not there ("The specified bucket does
+        not exist"), not the object ("No such object: <bucket>/<key>"): read in the service's
+        message with the request's URL, the bucket's name and the object's key taken out,
+        which may hold the word themselves (``gs://team-bucket/...``: every missing object was
+        a missing bucket)."""
+        if name.endswith("/") or not name:
+            return True
+        said = re.sub(r"\S+://\S+", "", message)  # the request's URL (``DELETE http://...:``)
+        said = said.replace(self.key(name), "").replace(self.url.bucket, "")
+        return "bucket" in said.lower()
 
 
 # == azure =========================================================================================
@@ -1503,6 +1529,21 @@ class AzureObjects(ObjectStore):
             props.last_modified.timestamp(),
             str(props.etag).strip('"'),
         )
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        """The objects under ``prefix``, in name order: one listing paged by the service's own
+        continuation tokens (Azure has no "start after": :meth:`list_page` lists from the
+        prefix again and skips what sorts before, which costs pages squared, and where the
+        service's order is not the names' code point order, as Azurite's UTF-16 order of a
+        name with an emoji beside one with a character past U+E000, skipped a name at a page's
+        edge)."""
+        strip = len(self.key(""))
+        with self.errors(prefix):
+            items = self.client.list_blobs(
+                name_starts_with=self.key(prefix), results_per_page=LIST_PAGE_KEYS
+            )
+            found = [self._info(item, item.name[strip:]) for item in items]
+        return sorted(found, key=lambda o: o.name)
 
     def list_page(
         self, prefix: str, after: str = "", *, keys: int = LIST_PAGE_KEYS, delimiter: str = ""

@@ -5,12 +5,15 @@ wins, deletes, and one-line errors for what is absent."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
 import threading
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -193,6 +196,100 @@ def test_gcs_without_credentials_is_one_line_saying_what_to_run(
     monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
     with pytest.raises(StoreError, match=r"^no credentials for gs://bb/p: run `gcloud auth"):
         ObjectStore(BucketURL.parse("gs://bb/p")).list("")
+
+
+def test_gcs_whose_token_endpoint_cannot_be_reached_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A service account's key whose token endpoint refuses the connection (an offline node, a
+    firewall): an internal TransportError before, now the one line of a store not reached."""
+    pytest.importorskip("google.cloud.storage")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    ).decode()  # fmt: skip
+    account = {"type": "service_account", "project_id": "p", "private_key_id": "1",
+               "private_key": pem, "client_email": "x@p.iam.gserviceaccount.com",
+               "client_id": "1", "token_uri": "http://127.0.0.1:9/token"}  # fmt: skip
+    (tmp_path / "sa.json").write_text(json.dumps(account))
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "sa.json"))
+    monkeypatch.setenv("FEATBAKE_OBJECT_BACKOFF", "0.01")
+    with pytest.raises(StoreError, match=r"^cannot reach the token endpoint of the Application"):
+        ObjectStore(BucketURL.parse("gs://bb/p")).list("")
+
+
+def test_a_missing_object_in_a_gs_bucket_named_with_bucket_is_absent(
+    gcs_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 404 was a missing bucket wherever the bucket's name (in the request's URL) held the
+    word "bucket": a shard deleted under ``gs://team-bucket/...`` stopped every reader with
+    "the bucket does not exist" instead of being a miss."""
+    for k, v in gcs_server.env.items():
+        monkeypatch.setenv(k, v)
+    name = f"fb-bucket-{uuid.uuid4().hex[:8]}"
+    gcs_server.make_bucket(name)
+    store = ObjectStore(BucketURL.parse(f"gs://{name}/bucket-prefix"))
+    assert store.head("shards/ab/gone.safetensors") is None
+    with pytest.raises(FileNotFoundError):
+        store.read("shards/ab/gone.safetensors")
+    store.delete(["shards/ab/gone.safetensors"])  # gone already: nothing to do
+    with pytest.raises(StoreError, match=r"the bucket 'fb-bucket-none' does not exist"):
+        ObjectStore(BucketURL.parse("gs://fb-bucket-none/p")).list("catalog/")
+
+
+def test_an_object_whose_key_holds_an_empty_folder_is_passed_over_not_read_as_another(
+    place: Remote | S3, tmp_path: Path
+) -> None:
+    """``audio/sub//x.wav`` beside ``audio/sub/x.wav``: read back from its URL as a path, the
+    first was the second (``//`` collapsed), so its item was hashed, encoded and served from
+    the other object's bytes. It is passed over with why; a manifest naming it, refused."""
+    from featbake.store.byteplace import OBJECTS, UNNAMABLE_KEY, bytes_at
+
+    store = ObjectStore(BucketURL.parse(place.url))
+    for key, data in (("audio/sub/x.wav", b"one"), ("audio/sub//x.wav", b"two")):
+        (tmp_path / "f").write_bytes(data)
+        store.upload(key, tmp_path / "f")
+    found = OBJECTS.inputs(f"{place.url}/audio", [".wav"])
+    assert found.inputs == ["sub/x.wav"]
+    assert [(p.path, p.reason) for p in found.skipped] == [("sub//x.wav", UNNAMABLE_KEY)]
+    odd = f"{place.url}/audio/sub//x.wav"
+    with pytest.raises(ConfigError, match=r"holds an empty, '\.' or '\.\.' folder"):
+        bytes_at(odd).named(odd, "")
+
+
+def test_an_azure_listing_past_a_page_names_every_object_whatever_the_order(
+    azurite_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Azure has no "start after": a page listed from the prefix again and skipped names in
+    code point order, where Azurite lists in UTF-16 order (an emoji before U+FF01): a name at
+    a page's edge was skipped, its input never built. A listing is now paged by the service's
+    own tokens."""
+    from featbake.store.objects import LIST_PAGE_KEYS
+
+    for k, v in azurite_server.env.items():
+        monkeypatch.setenv(k, v)
+    name = f"fb-{uuid.uuid4().hex[:12]}"
+    azurite_server.make_bucket(name)
+    store = ObjectStore(BucketURL.parse(f"az://{name}/p"))
+    (tmp_path / "f").write_bytes(b"x")
+    names = [f"a{i:04d}.wav" for i in range(LIST_PAGE_KEYS - 1)]
+    names += ["b\U0001f600.wav", "b\uff01.wav"]
+
+    def upload(chunk: list[str]) -> None:
+        for n in chunk:
+            store.upload(n, tmp_path / "f")
+
+    threads = [threading.Thread(target=upload, args=(names[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [o.name for o in store.list("")] == sorted(names)
 
 
 def test_inputs_read_bytes_through_the_store_seam_and_never_branch_on_urls() -> None:
