@@ -61,6 +61,12 @@ class StoreError(FeatbakeError):
     exit_code = 5
 
 
+class AwaitingMerge(StoreError):
+    """The store holds only a build in parts whose merge has not run yet: no catalog, so no
+    root is published. Commands that only report (``stats``, ``roots``) say what is pending
+    instead of failing; those that change the store say to merge first."""
+
+
 class StoreCorrupt(StoreError):
     """A shard's header or a tensor's checksum does not match what was written."""
 

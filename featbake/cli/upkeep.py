@@ -564,8 +564,10 @@ def verify(
     --sample-rate, --column, ...), verify spot-checks what no byte check can: it re-encodes a
     seeded sample of the root's items with the encoder now (as a dataset's live miss does) and
     compares each with its stored feature within what the stored dtype promises (float32 near
-    exact; float16, bfloat16, int8, fp8 by their rounding). A forged or copied-in shard, a build
-    in train mode, a store built by another encoder file: each shows as mismatching items. It
+    exact; float16, bfloat16, int8, fp8 by their rounding). A forged or copied-in shard, or
+    features an encoder wrote in train mode: each shows as mismatching items (exit 12). A store
+    built by another encoder file (or this file before it was replaced) holds no root of this
+    one: verify names the file or version that built it (exit 7). It
     never writes to the store; items it lacks are listed as missing, not encoded, and inputs
     whose bytes changed since the build as changed. A view's root (`featbake build --views
     hflip`) cannot be spot-checked: verify has no --views, and checks the original's root.

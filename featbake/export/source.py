@@ -242,8 +242,13 @@ def choose_root(catalog: Catalog, root: str | None) -> Root:
             a root stored packed (int8/fp8), which no export dequantises yet.
     """
     roots = [resolve_root(catalog, root)] if root is not None else catalog.roots()
+    if not roots:
+        raise ConfigError(
+            "the store has no root to export (none was built, or all were dropped); build one "
+            "with `featbake build`, then export it"
+        )
     if len(roots) != 1:
-        names = ", ".join(r.name for r in roots) or "none"
+        names = ", ".join(r.name for r in roots)
         raise ConfigError(
             f"the store has {len(roots)} roots ({names}); choose one with --root NAME"
         )

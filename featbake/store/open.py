@@ -17,7 +17,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
-from featbake.errors import ConfigError, StoreError
+from featbake.errors import AwaitingMerge, ConfigError, StoreError
 from featbake.store.bucket import TIER_MARK, BucketStore
 from featbake.store.catalog import READ_ONLY_ENV, Catalog, cannot_write, read_only_forced
 from featbake.store.files import list_folder
@@ -185,7 +185,7 @@ def _require_catalog(layout: Layout) -> None:
     if layout.catalog.exists():
         return
     if sealed_fragments(layout):
-        raise StoreError(
+        raise AwaitingMerge(
             f"the store {describe(layout)} holds only unmerged build fragments; run `featbake "
             "merge` once every part of the build is done"
         )

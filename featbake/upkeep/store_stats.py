@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from featbake.errors import AwaitingMerge
 from featbake.store.catalog import (
     Catalog,
     FeatureTotals,
@@ -21,9 +22,11 @@ from featbake.store.catalog import (
 from featbake.store.fidelity import QUANTISED, read_fidelity
 from featbake.store.layout import Layout
 from featbake.store.open import (
+    Need,
     StoreRef,
     commit,
     open_catalog,
+    open_store,
     place_of,
     resolve_root,
 )
@@ -225,7 +228,10 @@ def stats(cache: StoreRef = None) -> StoreStats:
         >>> s.live_bytes, s.dead_bytes  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    layout, catalog = open_catalog(cache, reading=True)
+    try:
+        layout, catalog = open_catalog(cache, reading=True)
+    except AwaitingMerge:
+        return _awaiting_stats(open_store(cache, need=Need.STORE), t0)
     try:
         return _stats(layout, catalog, t0)
     except (TypeError, ValueError):  # a value of the wrong kind: said in one line if so
@@ -277,9 +283,27 @@ def _stats(layout: Layout, catalog: Catalog, t0: float) -> StoreStats:
     )
 
 
+def _awaiting_stats(layout: Layout, t0: float) -> StoreStats:
+    """:func:`stats` of a store holding only a build in parts waiting for its merge: nothing
+    published (no catalog: every count 0), what gc's sweep would weigh in ``tmp/``; the build's
+    parts are listed as pending (``featbake stats``)."""
+    tmp = place_of(layout).leftovers()
+    return StoreStats(
+        path=str(place_of(layout)), features=0, tensors=0, feature_bytes=0, live_features=0,
+        live_bytes=0, dead_features=0, dead_bytes=0, shards=0, disk_bytes=0,
+        unreferenced_bytes=0, tmp_files=len(tmp), tmp_bytes=sum(h.size for h in tmp),
+        catalog_bytes=0, encoders=(), roots=(), seconds=time.perf_counter() - t0,
+        tier=TierStats.of(layout),
+    )  # fmt: skip
+
+
 def list_roots(cache: StoreRef = None) -> list[RootStats]:
-    """Every root with its item and missing counts, most recently built or used first."""
-    layout, catalog = open_catalog(cache, reading=True)
+    """Every root with its item and missing counts, most recently built or used first (none
+    in a store holding only a build in parts waiting for its merge)."""
+    try:
+        layout, catalog = open_catalog(cache, reading=True)
+    except AwaitingMerge:
+        return []
     try:
         missing = catalog.missing_per_root()
         return [RootStats.of(r, missing.get(r.name, 0), layout) for r in catalog.roots()]

@@ -114,6 +114,41 @@ def test_an_error_naming_a_path_with_a_control_character_stays_one_line(
         assert "\x1b" not in proc.stderr, line
 
 
+def test_a_store_holding_only_a_build_in_parts_lists_it_as_pending(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """After the first part of a sharded build (a SLURM array's first task) the store holds
+    fragments and no catalog: `roots` and `stats` exited 5 ("cannot be read or written") and
+    listed nothing, where docs/scaling.md says they list the build as pending."""
+    store = tmp_path / "store"
+    built = invoke("build", "-e", encoder_file, "-d", audio_dir, "--cache", store, "--shard", "0/2")
+    assert built.returncode == 0, printed(built)
+    for command in ("roots", "stats"):
+        got = invoke(command, "--cache", store)
+        assert got.returncode == 0, printed(got)
+        assert "1 of 2 ranks done" in got.stdout and "featbake merge" in got.stdout, got.stdout
+    assert json.loads(invoke("roots", "--cache", store, "--json").stdout) == []
+    said = json.loads(invoke("stats", "--cache", store, "--json").stdout)
+    assert said["features"] == 0 and said["roots"] == []
+    gc = invoke("gc", "--cache", store)  # changing the store waits for the merge
+    assert gc.returncode == 5 and "run `featbake merge`" in one_red_line(gc)
+
+
+def test_export_of_a_store_whose_roots_were_all_dropped_says_there_is_none(
+    tmp_path: Path, encoder_file: Path, audio_dir: Path
+) -> None:
+    """It said "the store has 0 roots (none); choose one with --root NAME": no root to choose."""
+    store = tmp_path / "store"
+    built = invoke("build", "-e", encoder_file, "-d", audio_dir, "--cache", store, "--json")
+    root = json.loads(built.stdout)["root"]
+    assert invoke("roots", "--cache", store, "drop", root).returncode == 0
+    got = invoke("export", tmp_path / "o.parquet", "--cache", store, "--format", "parquet")
+    assert got.returncode == 2
+    line = one_red_line(got)
+    assert "has no root to export" in line and "--root" not in line, line
+    assert not (tmp_path / "o.parquet").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cycle", [2, 3])
 def test_repair_gives_swapped_shard_names_back_and_loses_nothing(
