@@ -39,7 +39,7 @@ from collections.abc import Set as AbstractSet
 from contextlib import closing
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
 from featbake.progress import GcProgress
@@ -522,15 +522,38 @@ def evictions(
     by_key: dict[str, list[FeatureRef]] = defaultdict(list)
     for ref in reached:
         by_key[ref.key].append(ref)
-    total = sum(costs.values())
-    evictable = [k for k in by_key if k not in kept]
-    order = sorted(evictable, key=lambda k: (max(r.last_used for r in by_key[k]), k))
+    units = [
+        Evictable((max(r.last_used for r in rows), key), costs[key], rows)
+        for key, rows in by_key.items()
+        if key not in kept
+    ]
+    return evicted_until_fits(units, sum(costs.values()), budget)
+
+
+class Evictable(NamedTuple):
+    """What ``--max-bytes`` evicts together (a key's parts, or a whole shard's rows): its
+    order (least recently used first, then its name), what keeping it costs, and its rows."""
+
+    order: tuple[float, str]
+    cost: float
+    rows: list[FeatureRef]
+
+
+def evicted_until_fits(units: Iterable[Evictable], total: float, budget: int) -> list[FeatureRef]:
+    """The rows of ``units``, least recently used first, taken until what is left of ``total``
+    fits ``budget`` (pure: the one greedy rule of both kinds of eviction).
+
+    Example:
+        >>> old, new = Evictable((1.0, "a"), 60, []), Evictable((2.0, "b"), 60, [])
+        >>> evicted_until_fits([new, old], 120, 100) == old.rows
+        True
+    """
     out: list[FeatureRef] = []
-    for key in order:
+    for unit in sorted(units, key=lambda u: u.order):
         if total <= budget:
             break
-        out.extend(by_key[key])
-        total -= costs[key]
+        out.extend(unit.rows)
+        total -= unit.cost
     return out
 
 
@@ -572,15 +595,12 @@ def whole_shard_evictions(
     only with its whole shard, and a shard holding a key in ``kept`` stays (see
     :func:`evictions`; :func:`whole_shard_over_budget` says what that leaves)."""
     by_shard = _rows_by_shard(reached)
-    total = sum(shards[i].bytes for i in by_shard)
-    free = [i for i, rows in by_shard.items() if not any(r.key in kept for r in rows)]
-    out: list[FeatureRef] = []
-    for i in sorted(free, key=lambda i: (max(r.last_used for r in by_shard[i]), shards[i].name)):
-        if total <= budget:
-            break
-        out.extend(by_shard[i])
-        total -= shards[i].bytes
-    return out
+    units = [
+        Evictable((max(r.last_used for r in rows), shards[i].name), shards[i].bytes, rows)
+        for i, rows in by_shard.items()
+        if not any(r.key in kept for r in rows)
+    ]
+    return evicted_until_fits(units, sum(shards[i].bytes for i in by_shard), budget)
 
 
 def whole_shard_over_budget(
