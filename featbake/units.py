@@ -7,8 +7,8 @@ errors that show a valid example instead of a bare traceback.
 
 from __future__ import annotations
 
-import math
 import re
+from decimal import Decimal
 
 from featbake.errors import ConfigError
 
@@ -64,6 +64,8 @@ def parse_bytes(value: str | int) -> int:
         1500000000
         >>> parse_bytes("256MiB")
         268435456
+        >>> parse_bytes("2.01KB"), parse_bytes("0.5KiB"), parse_bytes("1.0005KB")
+        (2010, 512, 1000)
     """
     # bool is an int subclass; accepting True as "1 byte" would hide a config mistake.
     if isinstance(value, bool):
@@ -84,10 +86,9 @@ def parse_bytes(value: str | int) -> int:
         )
     num = match["num"]
     multiplier = _BYTE_UNITS[unit]
-    if "." not in num:
-        # Stay in integer arithmetic so large sizes like "1000TiB" are exact.
-        return int(num) * multiplier
-    return math.floor(float(num) * multiplier)
+    # Exact arithmetic (integers, and decimals as written): "1000TiB" and "2.01KB" (2,010,
+    # where a float product is 2,009.999...) are whole; a fraction of a byte is dropped.
+    return int(Decimal(num) * multiplier)
 
 
 def format_bytes(n: int) -> str:

@@ -135,3 +135,11 @@ def test_parse_duration_non_str() -> None:
 def test_parse_duration_missing_unit_message() -> None:
     with pytest.raises(ConfigError, match="missing unit"):
         parse_duration("30")
+
+
+def test_a_decimal_size_is_the_whole_number_of_bytes_it_names() -> None:
+    """``float("2.01") * 1000`` is 2009.999...: the floor of the float product lost a byte."""
+    assert parse_bytes("2.01KB") == 2010
+    assert parse_bytes("128.64KB") == 128_640
+    assert parse_bytes("2.01GB") == 2_010_000_000
+    assert parse_bytes("0.0015KB") == 1  # a fraction of a byte is dropped

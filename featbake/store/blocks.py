@@ -38,6 +38,10 @@ class BlockPlan:
         >>> plan.current = 1
         >>> plan.passed(1), plan.keep(1)  # "b" is not read yet: a batch may want it
         (['a'], ('c', 'd', 'e', 'b'))
+        >>> padded = BlockPlan([["b"], ["a"], ["c"], ["b"]])  # the rank's padding: "b" again
+        >>> padded.current = 0
+        >>> padded.opened("b"), padded.opened("a")
+        (None, 1)
     """
 
     def __init__(self, windows: Sequence[Sequence[str]]) -> None:
@@ -53,8 +57,13 @@ class BlockPlan:
         """Note that a read opened shard ``name``; the window that moves the reads to, or None
         when it moves nothing (a shard of the current window, of one passed, or of none)."""
         self.read.add(name)
-        later = [k for k in self._at.get(name, ()) if k > self.current]
-        return later[0] if later else None
+        at = self._at.get(name, ())
+        if any(k <= self.current for k in at):
+            # Read again by a later window too (a rank's padding repeats the epoch's first
+            # items at its end): a read of it now is of the current or a passed window, and
+            # moving on to that later window would leave the windows between unkept.
+            return None
+        return at[0] if at else None
 
     def keep(self, k: int) -> tuple[str, ...]:
         """What the tier holds while the reads are in window ``k``: the shards of window ``k``,

@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.store.files import (
@@ -47,8 +47,14 @@ class TierFile(NamedTuple):
     evictable: bool = True
 
 
-def evictions(files: Sequence[TierFile], budget: int, incoming: int) -> list[TierFile]:
-    """The files to delete, least recently used first, so ``incoming`` more bytes fit ``budget``.
+def evictions(
+    files: Sequence[TierFile],
+    budget: int,
+    incoming: int,
+    order: Callable[[TierFile], Any] = lambda f: (f.used, f.name),
+) -> list[TierFile]:
+    """The files to delete, least recently used first (or in ``order``), so ``incoming`` more
+    bytes fit ``budget``.
 
     Raises:
         ConfigError: ``incoming`` cannot fit even with every evictable file gone (a budget
@@ -64,7 +70,7 @@ def evictions(files: Sequence[TierFile], budget: int, incoming: int) -> list[Tie
     if over <= 0:
         return []
     chosen: list[TierFile] = []
-    for f in sorted((f for f in files if f.evictable), key=lambda f: (f.used, f.name)):
+    for f in sorted((f for f in files if f.evictable), key=order):
         chosen.append(f)
         over -= f.size
         if over <= 0:
@@ -118,7 +124,8 @@ class Room(NamedTuple):
         except ConfigError:
             if not self.wait or not self.keep:
                 raise
-        return evictions(files, budget, self.size)
+        # A read: every other file first, then the fewest kept shards, least recently used.
+        return evictions(files, budget, self.size, order=lambda f: (self.keeps(f), f.used, f.name))
 
 
 def window_fitting(sizes: Iterable[int], budget: int, most: int) -> int:

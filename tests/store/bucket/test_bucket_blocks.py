@@ -44,6 +44,19 @@ def _fetches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return got
 
 
+def test_a_ranks_padding_window_is_not_entered_by_a_read_of_the_current_window() -> None:
+    """A rank whose share is padded repeats the epoch's first items at its end, so a shard of
+    its first window is in its last window too: opening it moved the plan to the last window,
+    and for the rest of the epoch no window was fetched ahead or let go."""
+    plan = BlockPlan([["2"], ["0"], ["1"], ["2"]])
+    plan.current = 0
+    assert plan.opened("2") is None  # the current window's
+    assert plan.opened("0") == 1
+    plan.current = 1
+    assert plan.opened("2") is None and plan.keep(1) == ("0", "1")  # a passed window's
+    assert plan.opened("1") == 2
+
+
 def test_a_block_shuffled_epoch_through_a_third_of_the_data_fetches_each_shard_about_once(
     place: Remote | S3, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

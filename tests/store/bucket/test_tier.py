@@ -259,3 +259,20 @@ def test_a_read_evicts_a_kept_shard_rather_than_wait_for_room_nobody_frees(
         torch.testing.assert_close(reader.read("k2"), torch.full((50, 16), 2.0))
     assert {n for n in (a, b, c) if tier.layout.shard_path(n).is_file()} == {b, c}
     assert tier.used_bytes() <= tier.budget
+
+
+def test_a_read_short_of_room_evicts_every_other_file_before_a_kept_shard() -> None:
+    """A read (``wait``) whose kept shards fill the tier: before, it fell back to plain LRU
+    over every file, evicting both kept shards and leaving the one nobody keeps; now the
+    others go first, then the fewest kept shards, least recently used."""
+    from featbake.store.tier import Room, TierFile
+
+    files = [
+        TierFile("k1.safetensors", 10, 0.0),
+        TierFile("k2.safetensors", 10, 1.0),
+        TierFile("n.safetensors", 15, 5.0),
+    ]
+    room = Room(20, keep=frozenset({"k1", "k2"}), wait=True)
+    assert [f.name for f in room.doomed(files, budget=35)] == ["n.safetensors", "k1.safetensors"]
+    with pytest.raises(ConfigError):  # a prefetch never evicts what it is told to keep
+        Room(20, keep=frozenset({"k1", "k2"}), wait=False).doomed(files, budget=35)
