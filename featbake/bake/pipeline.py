@@ -717,6 +717,10 @@ class _Bake:
     #: padding held every check): an engine's driver has them encoded again alone if another
     #: worker's check failed (see :meth:`encode_elsewhere`).
     padded_left: list[str] = field(default_factory=list)
+    #: Keys :meth:`encode_missing` found stored and reused, and the catalog's count of other
+    #: writers' commits when it looked (see :meth:`fail_lost_reuse`).
+    reused_keys: set[str] = field(default_factory=set)
+    reused_at: int | None = None
 
     @property
     def runner(self) -> BatchRunner:
@@ -822,12 +826,36 @@ class _Bake:
                 self.publish_manifest()
             self.encode_missing(self.leave_to_other_ranks(todo, spec))
             self.record_undecodable()
+            self.fail_lost_reuse()  # after: decodable inputs, misses to a dataset (encoded)
             if self.catalog.fragmented:
                 self.report.fragment = self.catalog.finish()
                 self.report.merged = finish_part(
                     self.layout, spec, self.report.fragment, merge=merge
                 )
                 self.report.merged_by = "rank 0" if self.report.merged and spec.rank else ""
+
+    def fail_lost_reuse(self) -> None:
+        """Count failed, in one line each, the inputs whose stored features this build reused
+        and another process deleted while it encoded the rest (a ``gc --max-bytes`` evicts
+        what roots reach; a plain build holds no claim on what it reuses): the build said
+        them reused and exited 0, its root missing them. The rerun encodes them. Nothing is
+        looked up again where no other writer committed since (one ``PRAGMA`` read). A part
+        or a dataset's writer keeps its keys by its claim instead."""
+        if not self.reused_keys or self.catalog.fragmented:
+            return
+        if self.catalog.others_commits() == self.reused_at:
+            return
+        lost = self.reused_keys - self.catalog.present_keys(list(self.reused_keys))
+        if not lost:
+            return
+        self.report.reused -= len(lost)
+        why = (
+            "its stored features were deleted while the build ran (a gc, e.g. --max-bytes, "
+            "on another process); run the build again: it encodes them"
+        )
+        for rel, key in self.manifest:
+            if key in lost:
+                self.skip(rel, why, StoreError(f"{rel}: {why}"))
 
     def view(self, listing: list[tuple[str, int]]) -> BuildView:
         """What this process takes its build to be (see :func:`check_ranks_agree`)."""
@@ -899,8 +927,10 @@ class _Bake:
     def encode_missing(self, todo: dict[str, str]) -> None:
         """Encode the keys the store lacks; a wrong option un-publishes the manifest."""
         known = self.stored_still()
+        self.reused_at = self.catalog.others_commits()
         present = known & set(todo) | self.catalog.present_keys([k for k in todo if k not in known])
         self.report.reused = len(present)
+        self.reused_keys = present
         work = [(k, p) for k, p in todo.items() if k not in present]
         # An --output or --dtype build copies or converts what the store holds (bake/derive.py).
         digests = {k: self.digests[k] for k, _ in work}

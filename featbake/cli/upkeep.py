@@ -313,11 +313,13 @@ def gc(
         typer.Option(
             help=(
                 "Evict least-recently-used features until the shards fit, e.g. 200GiB. "
-                "Features a build still running reuses, or one not merged yet names (parts, "
-                "a dataset's serve fragments), are kept and count toward the budget: a note "
-                "then says by how much it stays exceeded, who holds them and what frees them "
-                "(exit 0). A bucket store never rewrites a shard, so there whole shards go, "
-                "least recently used first."
+                "Features a build in parts still running reuses, or one not merged yet names "
+                "(parts, a dataset's serve fragments), are kept and count toward the budget: a "
+                "note then says by how much it stays exceeded, who holds them and what frees "
+                "them (exit 0). A build in one process holds none: one whose reused features "
+                "go meanwhile counts those inputs failed, and its rerun encodes them. A bucket "
+                "store never rewrites a shard, so there whole shards go, least recently used "
+                "first."
             ),
             show_default=False,
         ),

@@ -456,10 +456,10 @@ def read_only_access(path: Path) -> Access:
 
 
 def _uri(path: Path, access: Access) -> str:
-    """``file:`` URI of ``path`` for a read-only ``access``, quoted (a ``?`` or ``#`` in a folder
-    name would otherwise end the path)."""
-    flag = "mode=ro&immutable=1" if access is Access.IMMUTABLE else "mode=ro"
-    return f"file:{urllib.parse.quote(str(Path(path).absolute()))}?{flag}"
+    """``file:`` URI of ``path`` for ``access``, quoted (a ``?`` or ``#`` in a folder name would
+    otherwise end the path)."""
+    flags = {Access.IMMUTABLE: "?mode=ro&immutable=1", Access.READ_ONLY: "?mode=ro"}
+    return f"file:{urllib.parse.quote(str(Path(path).absolute()))}{flags.get(access, '')}"
 
 
 def open_sqlite(
@@ -468,10 +468,10 @@ def open_sqlite(
     """A connection to the SQLite file at ``path``: the one place featbake connects.
 
     ``Access.READ_ONLY`` sees other writers' commits; ``Access.IMMUTABLE`` reads a file nobody
-    changes (a sealed fragment, a downloaded catalog version) with no lock at all.
+    changes (a sealed fragment, a downloaded catalog version) with no lock at all. Every
+    connection is opened by URI, so what it ``ATTACH``es is opened by URI too (a fragment
+    read-only: :meth:`FeatureRows.add_fragment_shards`), whatever SQLite's build defaults to.
     """
-    if access is Access.READ_WRITE:
-        return sqlite3.connect(path, timeout=timeout, isolation_level=None)
     return sqlite3.connect(
         _uri(Path(path), access), uri=True, timeout=timeout, isolation_level=None
     )
@@ -1057,7 +1057,10 @@ class FeatureRows(CatalogConnection):
         through Python) with the fragment's own timestamps. A shard whose file is gone is
         listed, not added (its features are encoded again when next needed)."""
         conn = self.conn
-        conn.execute(f"ATTACH DATABASE ? AS {schema}", (str(fragment),))
+        # Read-only: a fragment another merge folded and removed meanwhile fails to attach
+        # (sqlite3.Error), where a plain path made an empty file of its name in fragments/
+        # (verify then called it damaged, and every later merge failed on it).
+        conn.execute(f"ATTACH DATABASE ? AS {schema}", (_uri(fragment, Access.READ_ONLY),))
         out = FragmentRowsAdded()
         try:
             rows = conn.execute(

@@ -55,6 +55,7 @@ from featbake.store.fragments import (
 )
 from featbake.store.hash_cache import HashCacheRow
 from featbake.store.layout import Layout
+from featbake.store.locks import locked
 from featbake.store.roots import read_undecodable, write_undecodable
 
 
@@ -162,6 +163,20 @@ def merge(
         >>> report = merge(Layout(Path(".featbake")))  # doctest: +SKIP
         >>> report.roots, [p.describe() for p in report.pending]  # doctest: +SKIP
     """
+    # One merge at a time: a second, having listed and read a build's fragments, folded them
+    # again after the first had removed them. It waits, then lists what is left.
+    with locked(layout.root / MERGE_LOCK):
+        return _merged(layout, between, skip_damaged)
+
+
+#: ``<store>/merge.lock``: held by a merge for its whole run.
+MERGE_LOCK = "merge.lock"
+
+
+def _merged(
+    layout: Layout, between: Callable[[str], None] | None, skip_damaged: bool
+) -> MergeReport:
+    """:func:`merge`'s work, with the store's merge lock held."""
     report = MergeReport()
     builds = _by_build(layout)
     complete = {b: n for b, n in builds.items() if _is_complete(n)}

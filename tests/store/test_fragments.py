@@ -114,6 +114,38 @@ def test_merge_publishes_the_whole_manifest_and_twice_changes_nothing(
     assert catalog_dump(store) == first
 
 
+def test_one_merge_at_a_time_and_a_fragment_gone_meanwhile_is_never_made_again(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path
+) -> None:
+    """Two merges at once (or a build adopting parts beside a merge): the second attached a
+    fragment the first had folded and removed, and SQLite made an empty file of its name in
+    fragments/ (verify then called it damaged; every later merge failed on it). A merge now
+    holds the store's merge lock for its run, and a fragment is attached read-only."""
+    from featbake.store.locks import locked
+    from featbake.store.merge import MERGE_LOCK
+
+    store = tmp_path / "store"
+    build_parts(audio_dir, encoder_file, store, 2)
+    layout = Layout(store)
+    gone = sealed_fragments(layout)[0].path
+    held: list[bool] = []
+
+    def step(name: str) -> None:
+        if name == "root":  # another merge waits for this one: the lock is taken
+            try:
+                with locked(store / MERGE_LOCK, wait=0):
+                    held.append(False)
+            except TimeoutError:
+                held.append(True)
+
+    merge(layout, between=step)
+    assert held == [True] and not gone.exists()
+    with Catalog(layout) as catalog, pytest.raises(sqlite3.Error):
+        catalog.add_fragment_shards(gone)  # merged and removed meanwhile: not made again
+    assert not gone.exists() and sealed_fragments(layout) == []
+    assert_equals_live(store, audio_dir, encoder_file)
+
+
 class Killed(Exception):
     """Stands for SIGKILL at one step of a merge."""
 

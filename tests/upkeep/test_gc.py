@@ -114,6 +114,39 @@ def test_older_than_drops_only_stale_roots(
     assert assert_serves(store_dir, fresh.root, audio_dir, other, live) == 16
 
 
+def test_a_one_process_build_whose_reused_features_gc_evicts_meanwhile_says_so(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder of 6 stored clips gains 6; while the rebuild encodes the new ones, a
+    ``gc --max-bytes`` (another process's catalog connection) evicts the 6 it reused. Before,
+    the build said "reused 6", exit 0, and its root missed them. Now each is failed in one
+    line, not recorded undecodable (a dataset takes them for misses), and the rerun encodes
+    them: the root whole, every item equal to the encoder now."""
+    import featbake.bake.pipeline as pipeline
+
+    data, store = tmp_path / "a", tmp_path / "store"
+    write_audio_folder(data, 6, seconds=(0.4, 0.8), seed=1)
+    bake(data, encoder_file, store)
+    for i, p in enumerate(write_audio_folder(tmp_path / "new", 6, seconds=(0.4, 0.8), seed=9)):
+        os.replace(p, data / f"new{i}.wav")
+    encode, ran = pipeline._Bake.encode, []
+
+    def encode_beside_gc(self: pipeline._Bake, *args: object, **kwargs: object) -> None:
+        if not ran:
+            ran.append(gc(store, max_bytes=1024, grace=0.0))
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline._Bake, "encode", encode_beside_gc)
+    report = pipeline.build(data, encoder_file, cache=store, workers=0)
+    assert ran and ran[0][1].rows_deleted >= 6
+    assert report.encoded == 6 and report.reused == 0 and len(report.failed) == 6
+    assert all("deleted while the build ran" in why for _, why in report.failed)
+    monkeypatch.setattr(pipeline._Bake, "encode", encode)
+    again = pipeline.build(data, encoder_file, cache=store, workers=0)
+    assert not again.failed and again.encoded == 6 and again.reused == 6
+    assert assert_serves(store, again.root, data, encoder_file, Live()) == 12
+
+
 def test_max_bytes_evicts_least_recently_used_down_to_the_budget(
     encoder_file: Path, audio_dir: Path, store_dir: Path
 ) -> None:
