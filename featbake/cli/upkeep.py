@@ -241,12 +241,13 @@ def roots(
 def _print_pending(cache: Any) -> None:
     """Sharded builds whose fragments are not merged yet: their roots are not published."""
     from featbake.store.fragments import serving_fragments
-    from featbake.store.merge import pending_builds
+    from featbake.store.merge import unmerged_builds
     from featbake.store.open import Need, open_store
 
     layout = open_store(cache, need=Need.STORE)
-    for p in pending_builds(layout):
-        out.print(f"[yellow]pending[/] {escape(p.describe())}; `featbake merge` when all are done")
+    for p in unmerged_builds(layout):  # a done build's root waits for `featbake merge` alone
+        then = "run `featbake merge`" if p.complete else "`featbake merge` when all are done"
+        out.print(f"[yellow]pending[/] {escape(p.describe())}; {then}")
     served = len(serving_fragments(layout))
     if served:
         out.print(

@@ -69,6 +69,11 @@ class PendingBuild:
     ranks_done: tuple[int, ...]
     fragments: int
 
+    @property
+    def complete(self) -> bool:
+        """Whether every rank sealed its ``done`` fragment: only the merge is left."""
+        return len(self.ranks_done) == self.world
+
     def describe(self) -> str:
         return (
             f"root {self.root}: {len(self.ranks_done)} of {self.world} ranks done "
