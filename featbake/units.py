@@ -8,7 +8,7 @@ errors that show a valid example instead of a bare traceback.
 from __future__ import annotations
 
 import re
-from decimal import Decimal
+from fractions import Fraction
 
 from featbake.errors import ConfigError
 
@@ -86,9 +86,10 @@ def parse_bytes(value: str | int) -> int:
         )
     num = match["num"]
     multiplier = _BYTE_UNITS[unit]
-    # Exact arithmetic (integers, and decimals as written): "1000TiB" and "2.01KB" (2,010,
-    # where a float product is 2,009.999...) are whole; a fraction of a byte is dropped.
-    return int(Decimal(num) * multiplier)
+    # Exact arithmetic (a Fraction: no float, no decimal context of the caller's): "1000TiB"
+    # and "2.01KB" (2,010, where a float product is 2,009.999...) are whole; a fraction of a
+    # byte is dropped.
+    return int(Fraction(num) * multiplier)
 
 
 def format_bytes(n: int) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import decimal
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -143,3 +145,6 @@ def test_a_decimal_size_is_the_whole_number_of_bytes_it_names() -> None:
     assert parse_bytes("128.64KB") == 128_640
     assert parse_bytes("2.01GB") == 2_010_000_000
     assert parse_bytes("0.0015KB") == 1  # a fraction of a byte is dropped
+    with decimal.localcontext() as ctx:  # a program's own decimal settings change nothing
+        ctx.prec, ctx.traps[decimal.Inexact] = 6, True
+        assert parse_bytes("3GiB") == 3 << 30 and parse_bytes("1000TiB") == 1000 << 40

@@ -838,11 +838,12 @@ class _Bake:
         """Count failed, in one line each, the inputs whose stored features this build reused
         and another process deleted while it encoded the rest (a ``gc --max-bytes`` evicts
         what roots reach; a plain build holds no claim on what it reuses): the build said
-        them reused and exited 0, its root missing them. The rerun encodes them. Nothing is
-        looked up again where no other writer committed since (one ``PRAGMA`` read). A part
-        or a dataset's writer keeps its keys by its claim instead."""
-        if not self.reused_keys or self.catalog.fragmented:
-            return
+        them reused and exited 0, its root missing them. The rerun encodes them. Looked up
+        again (one query, a ``stat`` per shard) only after a build that encoded something and
+        where a commit came since (the build's own writer threads count: their connections
+        are others'). A part or a dataset's writer keeps its keys by its claim instead."""
+        if not self.reused_keys or not self.report.encoded or self.catalog.fragmented:
+            return  # nothing encoded: no window beside the lookup before the manifest
         if self.catalog.others_commits() == self.reused_at:
             return
         lost = self.reused_keys - self.catalog.present_keys(list(self.reused_keys))

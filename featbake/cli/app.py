@@ -66,6 +66,11 @@ def piped_width(env: Mapping[str, str]) -> int:
 console = make_console(stderr=True)
 
 
+#: The Unicode categories that break or rewrite a terminal's line: control characters, and
+#: the line and paragraph separators (U+2028, U+2029).
+BREAKING = frozenset({"Cc", "Zl", "Zp"})
+
+
 def one_line(text: str) -> str:
     """``text`` with its control characters written as escapes (a newline as ``\\n``).
 
@@ -75,7 +80,7 @@ def one_line(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(
-        ch.encode("unicode_escape").decode("ascii") if unicodedata.category(ch) == "Cc" else ch
+        ch.encode("unicode_escape").decode("ascii") if unicodedata.category(ch) in BREAKING else ch
         for ch in text
     )
 

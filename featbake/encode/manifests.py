@@ -95,7 +95,7 @@ from featbake.encode.sources import (
     Source,
     Span,
     file_stat_or_none,
-    lhotse_samples,
+    lhotse_bounds,
     span_problem,
 )
 from featbake.errors import ColumnMissing, ConfigError, SourceError
@@ -198,16 +198,21 @@ def channel_of(value: Any) -> int | None:
 
 
 def span_of(
-    start: Any, end: Any, channel: int | None, rule: SampleRule = SampleRule.NEAREST
+    start: Any,
+    end: Any,
+    channel: int | None,
+    rule: SampleRule = SampleRule.NEAREST,
+    duration: float | None = None,
 ) -> Span | None:
     """The segment a row names (None: the whole file). No start is 0; no end is the
     recording's end (an infinite end, checked against the file's header when it is hashed or
     decoded), so ``[0, end of file)`` of all channels is the whole file, keyed as the file.
-    ``rule``: how its seconds become samples (a lhotse cut's as lhotse counts them).
+    ``rule``: how its seconds become samples (a lhotse cut's as lhotse counts them, from its
+    ``duration`` as written).
 
     Example:
         >>> span_of("1.5", None, None)
-        Span(start=1.5, end=inf, channel=None, rule=<SampleRule.NEAREST: 'nearest'>)
+        Span(start=1.5, end=inf, channel=None, rule=<SampleRule.NEAREST: 'nearest'>, duration=None)
         >>> span_of(0, None, None) is None
         True
 
@@ -220,7 +225,7 @@ def span_of(
         raise BadRow(f"start {first} is not before end {last}")
     if first == 0.0 and last == float("inf") and channel is None:
         return None
-    return Span(first, last, channel, rule)
+    return Span(first, last, channel, rule, duration)
 
 
 def input_file(value: Any, base: str, column: str) -> str:
@@ -1326,8 +1331,9 @@ def cut_item(cut: Mapping[str, Any], paths: ToolPaths, where: str) -> tuple[str,
         source = cut_source(rec, cut.get("channel"), paths)
         start = seconds(cut.get("start", 0.0), "start")
         duration = cut.get("duration")  # none: to the recording's end
-        end = None if duration is None else start + seconds(duration, "duration")
-        span = span_of(start, end, source.picked, SampleRule.LHOTSE)
+        length = None if duration is None else seconds(duration, "duration")
+        end = None if length is None else start + length
+        span = span_of(start, end, source.picked, SampleRule.LHOTSE, length)
         effects = (
             lhotse_audio(cut, rec, source.file, paths.folder_of(source.file))
             if rec.get("transforms")
@@ -1407,9 +1413,7 @@ class LhotseAudio:
     def bounds(self) -> tuple[int, int | None]:
         """The cut's first and past-the-last sample at the recording's rate (None: to its end),
         as lhotse's ``load_audio`` counts them: two cuts lhotse reads apart are keyed apart."""
-        first = lhotse_samples(self.start, self.rate)
-        last = None if self.duration is None else first + lhotse_samples(self.duration, self.rate)
-        return first, last
+        return lhotse_bounds(self.start, self.duration, self.rate)
 
 
 def lhotse_audio(

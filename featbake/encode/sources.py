@@ -122,16 +122,32 @@ def lhotse_samples(seconds: float, rate: int) -> int:
     return int(Decimal(round(seconds * rate, 8)).quantize(0, rounding=ROUND_HALF_UP))
 
 
+def lhotse_bounds(start: float, duration: float | None, rate: int) -> tuple[int, int | None]:
+    """A lhotse cut's first and past-the-last sample at ``rate`` (None: to the recording's
+    end), as its ``load_audio`` reads them: the start and the duration as written, each
+    counted by :func:`lhotse_samples` (never ``start + duration`` counted again: deep into a
+    long recording the float sum loses the duration's last digits).
+
+    Example:
+        >>> lhotse_bounds(7200.0, 0.03, 22050), lhotse_bounds(1.25, None, 22050)
+        ((158760000, 158760662), (27563, None))
+    """
+    first = lhotse_samples(start, rate)
+    return first, None if duration is None else first + lhotse_samples(duration, rate)
+
+
 class Span(NamedTuple):
     """``[start, end)`` seconds of a recording, and the one channel to take (None: all of them,
     mixed or kept as the recipe says): an item that is a segment of a file. ``end`` infinite
     runs to the recording's end (Kaldi's ``end = -1``, a row with a start and no end).
-    ``rule``: how the seconds become samples (a lhotse cut's are lhotse's)."""
+    ``rule``: how the seconds become samples (a lhotse cut's are lhotse's, counted from its
+    ``duration`` as written where it has one)."""
 
     start: float
     end: float
     channel: int | None = None
     rule: SampleRule = SampleRule.NEAREST
+    duration: float | None = None
 
     @property
     def to_end(self) -> bool:
@@ -153,10 +169,9 @@ class Span(NamedTuple):
             ((27562, 35280), (27563, 35281))
         """
         if self.rule is SampleRule.LHOTSE:
-            first = lhotse_samples(self.start, rate)
-            if self.to_end:
-                return first, total
-            return first, first + lhotse_samples(self.end - self.start, rate)
+            length = None if self.to_end else self.duration or self.end - self.start
+            first, last = lhotse_bounds(self.start, length, rate)
+            return first, total if last is None else last
         return round(self.start * rate), total if self.to_end else round(self.end * rate)
 
 

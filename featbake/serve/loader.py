@@ -246,26 +246,32 @@ def draws_per_epoch(dataset: Any) -> bool:
     return False
 
 
-def refuse_hidden_draws(dataset: Any) -> None:
-    """Refuse a dataset of the user's own that holds one drawing its items per epoch (a
-    :class:`~featbake.MixedDataset` in ``Labelled(mixed).mixed``) and has no ``set_epoch`` to
-    pass the epoch on: the loader's epochs would not reach the mixture, and every epoch would
-    read epoch 0's draw (a down-weighted dataset never read past it), without a word.
+def warn_hidden_draws(dataset: Any) -> None:
+    """Warn where a dataset of the user's own holds a :class:`~featbake.MixedDataset`
+    (``Labelled(mixed).mixed``) and has no ``set_epoch`` to pass the epoch on: unless the
+    wrapper sets the mixture's epoch itself, the loader's epochs never reach it, and every
+    epoch reads epoch 0's draw (a down-weighted dataset never read past it). A warning, not a
+    refusal: a wrapper may drive its mixture's epochs itself."""
+    from featbake.serve.mixing import MixedDataset
 
-    Raises:
-        ConfigError: it does, naming the attribute.
-    """
     if draws_per_epoch(dataset):
         return
-    held = holding_attribute(dataset, draws_per_epoch)
+    held = holding_attribute(dataset, lambda d: isinstance(d, MixedDataset))
     if held is not None:
         kind = type(dataset).__name__
-        raise ConfigError(
-            f"{kind} holds a dataset that draws its items per epoch ({held}), and has no "
-            f"set_epoch to pass the epoch on: every epoch would read epoch 0's draw; give "
-            f"{kind} a set_epoch(epoch) that calls self.{held}.set_epoch(epoch) (and a "
-            f"fingerprint() returning self.{held}.fingerprint(), so a resume checks it)"
+        warnings.warn(
+            f"{kind} holds a MixedDataset ({held}) and has no set_epoch, so the loader cannot "
+            f"pass it the epoch: unless {kind} sets it itself, every epoch reads epoch 0's "
+            f"draw; give {kind} a set_epoch(epoch) that calls self.{held}.set_epoch(epoch) "
+            f"(and a fingerprint() returning self.{held}.fingerprint(), so a resume checks it)",
+            HiddenDrawsWarning,
+            stacklevel=3,
         )
+
+
+class HiddenDrawsWarning(UserWarning):
+    """A loader's dataset hides a mixture whose epochs it cannot set (see
+    :func:`warn_hidden_draws`)."""
 
 
 def fingerprint_of(dataset: Any) -> str:
@@ -1137,7 +1143,7 @@ class FeatureLoader:
             raise ConfigError(f"prefetch must be a whole number from 1, got {prefetch!r}")
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
             raise ConfigError(f"read_ahead must be a whole number from 0, got {read_ahead!r}")
-        refuse_hidden_draws(dataset)
+        warn_hidden_draws(dataset)
         self.read_ahead = read_ahead
         self._streak = 0  # ReadAhead's, carried from one epoch to the next
         self.dataset = dataset

@@ -169,8 +169,9 @@ class ViewsDataset(Dataset):
 
     def _flipped(self, i: int) -> Any:
         """Item ``i``'s flipped view: the flipped dataset's item of the same id."""
-        if i < 0:
-            i += len(self)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"index {i} out of range for {len(self)} items")
+        i %= len(self)
         return self.flipped[i if self._flipped_at is None else self._flipped_at[i]]
 
     def __getitem__(self, i: int) -> Any:

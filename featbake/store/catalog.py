@@ -459,7 +459,9 @@ def _uri(path: Path, access: Access) -> str:
     """``file:`` URI of ``path`` for ``access``, quoted (a ``?`` or ``#`` in a folder name would
     otherwise end the path)."""
     flags = {Access.IMMUTABLE: "?mode=ro&immutable=1", Access.READ_ONLY: "?mode=ro"}
-    return f"file:{urllib.parse.quote(str(Path(path).absolute()))}{flags.get(access, '')}"
+    # Its bytes quoted: a folder name that is not UTF-8 (surrogates in str) is one too.
+    quoted = urllib.parse.quote(os.fsencode(Path(path).absolute()))
+    return f"file:{quoted}{flags.get(access, '')}"
 
 
 def open_sqlite(
@@ -1057,10 +1059,11 @@ class FeatureRows(CatalogConnection):
         through Python) with the fragment's own timestamps. A shard whose file is gone is
         listed, not added (its features are encoded again when next needed)."""
         conn = self.conn
-        # Read-only: a fragment another merge folded and removed meanwhile fails to attach
-        # (sqlite3.Error), where a plain path made an empty file of its name in fragments/
-        # (verify then called it damaged, and every later merge failed on it).
-        conn.execute(f"ATTACH DATABASE ? AS {schema}", (_uri(fragment, Access.READ_ONLY),))
+        # Read-only (a sealed file, as fragments are read): one another merge folded and
+        # removed meanwhile fails to attach (sqlite3.Error), where a plain path made an empty
+        # file of its name in fragments/ (verify then called it damaged, and every later
+        # merge failed on it).
+        conn.execute(f"ATTACH DATABASE ? AS {schema}", (_uri(fragment, Access.IMMUTABLE),))
         out = FragmentRowsAdded()
         try:
             rows = conn.execute(

@@ -317,9 +317,12 @@ class CheckedTarInfo(tarfile.TarInfo):
             return super().fromtarfile(tarfile_)
         except tarfile.HeaderError as e:
             # tarfile's own kinds (not in its stubs): a header cut short, or one whose
-            # checksum or fields fail; a block of zeros (EOFHeaderError) or nothing ends it.
+            # checksum or fields fail; a block of zeros (EOFHeaderError) or nothing ends it,
+            # as do the zeros of an end marker cut short (a download cut in its last block).
             kind = type(e).__name__
             if not tarfile_.offset or kind not in ("TruncatedHeaderError", "InvalidHeaderError"):
+                raise
+            if kind == "TruncatedHeaderError" and not _block_at(tarfile_).strip(b"\0"):
                 raise
             where = f"{tarfile_.offset:,}"
             why = (
@@ -328,6 +331,16 @@ class CheckedTarInfo(tarfile.TarInfo):
                 else f"the header at byte {where} is damaged: {e}"
             )
             raise DamagedHeader(f"{why}; rewrite or re-download the shard") from None
+
+
+def _block_at(tf: tarfile.TarFile) -> bytes:
+    """What is left of the header block at ``tf.offset`` (read again: only where a header
+    was cut short, so a gzip stream's seek back is paid once, at its end)."""
+    try:
+        tf.fileobj.seek(tf.offset)
+        return bytes(tf.fileobj.read(tarfile.BLOCKSIZE))
+    except (OSError, EOFError, ValueError):
+        return b"x"  # unreadable: not an end marker's zeros
 
 
 def _stream_end(f: Any) -> int:

@@ -1343,7 +1343,7 @@ class GCSObjects(ObjectStore):
 
         if isinstance(e, gx.RetryError) and isinstance(e.cause, Exception):
             self.translate(name, e.cause)  # what the last try met, after the library's tries
-        if isinstance(e, ax.GoogleAuthError):
+        if isinstance(e, ax.DefaultCredentialsError | ax.RefreshError | ax.TransportError):
             raise self.credentials_failed(name, e) from None
         if isinstance(e, gx.PreconditionFailed):
             raise Exists(name) from None
@@ -1396,7 +1396,8 @@ class GCSObjects(ObjectStore):
         if name.endswith("/") or not name:
             return True
         said = re.sub(r"\S+://\S+", "", message)  # the request's URL (``DELETE http://...:``)
-        said = said.replace(self.key(name), "").replace(self.url.bucket, "")
+        for part in (f"{self.url.bucket}/{self.key(name)}", self.key(name), self.url.bucket):
+            said = said.replace(part, "")
         return "bucket" in said.lower()
 
 

@@ -122,7 +122,8 @@ def _layout_of(
     url = BucketURL.parse(where)
     base = local_cache or os.environ.get("FEATBAKE_LOCAL_CACHE")
     tier = Path(base) if base else Path.home() / ".cache" / "featbake" / "buckets"
-    _refuse_tier_in_store(tier)
+    if base:
+        _refuse_tier_in_store(tier)
     size = local_cache_size or os.environ.get("FEATBAKE_LOCAL_CACHE_SIZE")
     budget = parse_bytes(size or DEFAULT_LOCAL_CACHE_SIZE)
     # endpoint, bucket, prefix: never a credential (an s3 endpoint's folder is as it was)
@@ -158,12 +159,12 @@ def _refuse_tier_in_store(tier: Path) -> None:
     them along); a tier is a folder of its own.
 
     Raises:
-        ConfigError: ``tier`` or a folder above it is a directory store (a catalog, and no
-            tier's marks).
+        ConfigError: ``tier`` (given: ``--local-cache``, ``$FEATBAKE_LOCAL_CACHE``) or a folder
+            above it is a directory store (a catalog and its shards, and no tier's marks).
     """
     for folder in (tier.absolute(), *tier.absolute().parents):
-        if not (folder / "catalog.sqlite").is_file():
-            continue
+        if not ((folder / "catalog.sqlite").is_file() and (folder / "shards").is_dir()):
+            continue  # a store has both (another program's catalog.sqlite is no store)
         if (folder / TIER_MARK).is_file() or (folder / "catalog.version").is_file():
             return  # a bucket prefix's own tier folder, above another prefix's: refused later
         raise ConfigError(

@@ -95,7 +95,7 @@ def test_commands_on_a_missing_store_print_one_line(tmp_path: Path) -> None:
     assert "10" in help_text.stdout and "11" in help_text.stdout
 
 
-@pytest.mark.parametrize("name", ["a\nb", "a\rb", "a\x1b[2Jb"])
+@pytest.mark.parametrize("name", ["a\nb", "a\rb", "a\x1b[2Jb", "a\u2028b"])
 def test_an_error_naming_a_path_with_a_control_character_stays_one_line(
     tmp_path: Path, name: str
 ) -> None:

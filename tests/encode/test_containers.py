@@ -333,6 +333,21 @@ def test_a_damaged_header_fails_its_shard_in_one_line_and_loses_no_other(
         torch.testing.assert_close(ds[i], run_now(encoder, audio_tensor(clips[i])))
 
 
+def test_a_shard_whose_end_marker_is_cut_short_reads_every_member(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A download cut inside the two blocks of zeros that end a tar: every member is whole,
+    and the zeros left are the end, not a header cut short (which failed the shard)."""
+    clips = [wav_bytes(0.3 + 0.05 * i, 30 + i) for i in range(3)]
+    tar = write_tar(tmp_path / "s.tar", [(f"u{i}", {"wav": c}) for i, c in enumerate(clips)])
+    whole = tar.read_bytes()
+    end = whole.find(clips[-1]) + len(clips[-1])
+    end += -end % 512  # the last member's data padded to its block: the marker starts here
+    tar.write_bytes(whole[: end + 300])
+    report = build(tar, encoder_file, cache=tmp_path / "store", workers=0)
+    assert not report.failed and report.encoded == 3
+
+
 def test_a_member_whose_name_is_not_utf8_is_one_line_and_the_others_build(
     tmp_path: Path,
     encoder_file: Path,

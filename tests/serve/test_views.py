@@ -246,6 +246,8 @@ def test_each_image_is_served_its_own_flipped_view_when_the_views_list_other_ite
     # the RAM tier's budget is both views' (it was 1 MiB each)
     assert coin.original._ram_total + coin.flipped._ram_total == 1 << 20
     assert torch.equal(both[-1]["hflip"]["pooled"], both[4]["hflip"]["pooled"])
+    with pytest.raises(IndexError):
+        both[-6]  # past the first item: not another image's view
     # batch_frames over a mixture holding views: said was "not stored yet", which they were
     from featbake import FeatureLoader, MixedDataset
 

@@ -4,6 +4,7 @@ anything is created."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -143,7 +144,7 @@ def test_a_blank_store_path_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path
 def test_a_bucket_tier_inside_a_directory_store_is_refused(tmp_path: Path, inside: str) -> None:
     """A tier in a store's folder puts the bucket's folders among the store's own."""
     store = tmp_path / "store"
-    with Catalog(open_store(store)) as catalog:  # a directory store: its catalog made
+    with Catalog(open_store(store).ensure()) as catalog:  # a store: its catalog and shards/
         catalog.conn.execute("SELECT 1")
     assert (store / "catalog.sqlite").is_file()
     before = sorted(p.name for p in store.iterdir())
@@ -153,3 +154,27 @@ def test_a_bucket_tier_inside_a_directory_store_is_refused(tmp_path: Path, insid
     assert got.returncode == 2 and "outside any store" in got.stderr, got.stderr
     assert len(got.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in store.iterdir()) == before  # nothing made in the store
+    # Another program's catalog.sqlite above the tier is no store.
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "catalog.sqlite").write_bytes(b"")
+    from featbake.store.open import _refuse_tier_in_store
+
+    _refuse_tier_in_store(other / "tiers")
+
+
+def test_a_store_in_a_folder_whose_name_is_not_utf8_builds_and_serves(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path
+) -> None:
+    """Every catalog connection is opened by ``file:`` URI: a folder named in another encoding
+    than UTF-8 (surrogates in its str) made quoting the path fail, an internal error."""
+    from featbake.bake.pipeline import build
+    from tests.helpers import Live
+
+    store = tmp_path / os.fsdecode(b"caf\xe9") / "store"
+    report = build(audio_dir, encoder_file, cache=store, workers=0)
+    assert not report.failed and report.encoded
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store, on_miss="error")
+    live = Live()
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live(encoder_file, Path(ds.path(i))))
