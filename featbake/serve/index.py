@@ -43,7 +43,7 @@ from featbake.errors import SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
 from featbake.store.catalog import ServingStore
 from featbake.store.hash_cache import FileStat
-from featbake.store.roots import Root, RootSpec
+from featbake.store.roots import Root, RootSpec, root_file
 
 __all__ = ["NO_STAT", "Index", "IndexSpec", "ItemPlacement", "build_index", "names_from_parent"]
 
@@ -263,7 +263,7 @@ def _index_place(
     bad: list[str] = []
     hashed: list[FileStat | None] = []
     unhashed = [rel for rel in rel_paths if inputs.path(rel) not in digests]
-    as_built = _as_built(inputs, unhashed, set(scanned), manifest, spec, catalog)
+    as_built = _as_built(inputs, unhashed, set(scanned), manifest, spec, catalog, name)
     for rel in rel_paths:
         path = inputs.path(rel)
         hashed.append(stats[path] if path in digests else None)
@@ -304,6 +304,7 @@ def _as_built(
     manifest: Mapping[str, str],
     spec: IndexSpec,
     catalog: ServingStore,
+    root: str,
 ) -> dict[str, AsBuilt | str]:
     """For each item of ``rels`` (which cannot be hashed now), the key its root's build stored
     (``manifest``) where it may be served as built: its input is gone since
@@ -313,8 +314,9 @@ def _as_built(
     features were made from, nor is a row changed since the build to name another file that
     is gone: a whole-file row whose file the hash cache knew (one query for all of them: a
     million rows whose audio was deleted once baked) is checked to be keyed as its root says.
-    A segment's key needs its file's header: a gone file's segment rows are served as built
-    unchecked.
+    A whole-file row the hash cache never knew is refused where the manifest changed since
+    the root's build (a row edited to name a file not there yet). A segment's key needs its
+    file's header: a gone file's segment rows are served as built unchecked.
     """
     out: dict[str, AsBuilt | str] = {}
     whole: dict[str, str] = {}  # rel -> its gone file, a whole-file row's
@@ -328,6 +330,7 @@ def _as_built(
         if item is not None and item.span is None and item.effects is None:
             whole[rel] = item.file
     known = catalog.hash_rows(sorted(set(whole.values()))) if whole else {}
+    edited = bool(whole) and rows_edited_since(inputs, root_written(catalog, root))
     for rel, file in whole.items():
         row = known.get(file)  # trusted or not: the file is gone
         if row is not None and spec.key(row.sha256) != manifest[rel]:
@@ -335,7 +338,41 @@ def _as_built(
                 f"{file} is gone, and the stored features of {rel!r} are of another file "
                 "(the row named another since its build)"
             )
+        elif row is None and edited:
+            out[rel] = (
+                f"{file} is gone, never hashed here, and the manifest changed since the build: "
+                f"the stored features of {rel!r} may be another file's (the row edited to name "
+                "this one?); restore the file, or fix the row and run `featbake build`"
+            )
     return out
+
+
+def root_written(catalog: ServingStore, name: str) -> float | None:
+    """When root ``name`` was last published here (its manifest file's mtime), or None where
+    that cannot be told (no such file: a bucket's tier that has not brought it in)."""
+    layout = getattr(catalog, "layout", None)  # a catalog's or a fragment writer's store
+    try:
+        return None if layout is None else os.stat(root_file(layout, name)).st_mtime
+    except (OSError, ValueError):
+        return None
+
+
+def rows_edited_since(inputs: Inputs, when: float | None) -> bool:
+    """Whether the files that define ``inputs``' rows (a manifest, a Kaldi folder's files)
+    changed after ``when``: a row whose file is gone may then name another file than the one
+    its features were made from. False where ``when`` is not known (served as built)."""
+    if when is None or not isinstance(inputs, RowInputs):
+        return False
+    origin = inputs.origin
+    try:
+        files = (
+            [os.path.join(origin, n) for n in os.listdir(origin)]
+            if os.path.isdir(origin)
+            else [origin]
+        )
+        return any(os.stat(f).st_mtime > when for f in files if os.path.isfile(f))
+    except OSError:
+        return False
 
 
 def _built_root(

@@ -90,6 +90,25 @@ def test_a_row_changed_to_name_a_deleted_file_is_not_served_another_files_featur
     torch.testing.assert_close(ds[0], _live(encoder_file, y, tmp_path))
 
 
+def test_a_row_edited_to_name_a_file_never_hashed_is_not_served_as_built(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """Built with u1 -> x.wav; the row then edited to name z.wav (a take not copied yet), and
+    a dataset made before the next build. The hash cache never knew z.wav, so r17.4's check
+    passed, and u1 was served x.wav's features beside its edited row. A whole-file row the
+    store never hashed, whose file is gone, is left out where the manifest changed since the
+    root's build; u2 is served."""
+    x, y = _wav(0.4, 1), _wav(0.4, 2)
+    manifest = _built_manifest(tmp_path, x, y, encoder_file, store_dir)
+    rows = [{"id": "u1", "path": "z.wav", "label": 7}, {"id": "u2", "path": "y.wav"}]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    built = max(p.stat().st_mtime for p in (store_dir / "roots").glob("*.json"))
+    os.utime(manifest, (built + 10, built + 10))  # edited after the build, whatever the clock
+    ds = _leaving_out(manifest, encoder_file, store_dir, r"1 row\(s\).*never hashed here")
+    assert _ids(ds) == ["u2"]
+    torch.testing.assert_close(ds[0], _live(encoder_file, y, tmp_path))
+
+
 def test_a_row_whose_file_was_deleted_is_still_served_as_built(
     encoder_file: Path, store_dir: Path, tmp_path: Path
 ) -> None:
