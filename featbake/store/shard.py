@@ -606,12 +606,22 @@ def sha256_hex(bufs: Sequence[Any]) -> str:
 def digest_beside(bufs: Sequence[Any], size: int) -> Iterator[Callable[[], str]]:
     """The block runs while ``bufs``' SHA-256 is computed beside it (on a thread, for
     :data:`DIGEST_BESIDE_BYTES` or more); it gets a function that returns the hex digest once
-    it is done. The thread is joined on the way out, also when the block raises."""
+    it is done. The thread is joined on the way out, also when the block raises; where no
+    thread may start (the interpreter exiting), the digest is computed when asked."""
     if size < DIGEST_BESIDE_BYTES:
         yield lambda: sha256_hex(bufs)
         return
-    with ThreadPoolExecutor(1, thread_name_prefix="featbake-shard-digest") as pool:
+    pool = ThreadPoolExecutor(1, thread_name_prefix="featbake-shard-digest")
+    try:
         future = pool.submit(sha256_hex, bufs)
+    except RuntimeError:
+        # At interpreter exit (a dataset's write-back sealed by its exit hook) no new thread
+        # is started: the digest is computed here, after the write. It was the error, and
+        # every written-back feature of the run's last seal was lost.
+        pool.shutdown()
+        yield lambda: sha256_hex(bufs)
+        return
+    with pool:
         yield future.result
 
 

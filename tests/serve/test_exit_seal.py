@@ -302,3 +302,43 @@ def test_work_left_for_the_end_of_a_section_is_done_once_as_the_outermost_is_lef
     with critical_section():
         pass
     assert ran == done
+
+
+#: A process whose dataset encodes 12 misses and ends with them unsaved: its exit hook seals
+#: them. A shard's digest of 1 MiB or more is computed on a thread beside its write; forced
+#: here for any size (``DIGEST_BESIDE_BYTES`` 1).
+_MISSES_AT_EXIT = """
+import sys
+import featbake.store.shard as shard_module
+from featbake.serve.dataset import CachedFeatureDataset
+
+shard_module.DIGEST_BESIDE_BYTES = 1
+ds = CachedFeatureDataset(sys.argv[1], sys.argv[2], cache=sys.argv[3], on_miss="encode")
+for i in range(len(ds)):
+    ds[i]
+"""
+
+
+def test_a_datasets_write_back_sealed_at_exit_is_stored_whatever_its_size(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """At exit no new thread may start ("cannot schedule new futures after interpreter
+    shutdown"): the exit seal of a write-back of 1 MiB or more failed there with a warning,
+    and the next run encoded every item again. The digest is now computed inline there."""
+    from featbake.testing import write_audio_folder
+    from tests.helpers import Live
+
+    data, store = tmp_path / "a", tmp_path / "store"
+    write_audio_folder(data, 12, seconds=(0.3, 0.6), seed=4)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run(
+        [sys.executable, "-c", _MISSES_AT_EXIT, str(data), str(encoder_file), str(store)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0 and "could not save" not in run.stderr, run.stderr
+    from featbake.serve.dataset import CachedFeatureDataset
+
+    ds = CachedFeatureDataset(data, encoder_file, cache=store, on_miss="error")
+    live = Live()
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live(encoder_file, Path(ds.path(i))))
