@@ -406,11 +406,21 @@ class Resume:
 
     pending: Position | None = None
     current: Progress | None = None
+    #: An epoch a loaded state was saved at the end of (its position the next epoch's start):
+    #: ``set_epoch`` of it reads nothing, and the next epoch is read whole.
+    finished: int | None = None
 
     def choose(self, epoch: int) -> None:
-        """``set_epoch(epoch)``: a loaded position holds only for its own epoch."""
-        if self.pending is not None and self.pending.epoch != epoch:
-            self.pending = None
+        """``set_epoch(epoch)``: a loaded position holds only for its own epoch, but for the
+        epoch it was saved at the end of (a state saved at an epoch's last batch says the next
+        epoch's start; a loop resuming "the epoch it was in" is told that epoch is read)."""
+        p = self.pending
+        if p is None or p.epoch == epoch:
+            return
+        if p.epoch == epoch + 1 and p.done == 0 and not p.stages:
+            self.finished = epoch
+            return
+        self.pending = None
 
     def inputs_for(self, epoch: int) -> PlanInputs | None:
         """What epoch ``epoch`` must be planned from: the loaded state's when it resumes that
@@ -428,10 +438,14 @@ class Resume:
     def start(self, epoch: int, total: int, inputs: PlanInputs | None = None) -> int:
         """Epoch ``epoch`` (``total`` batches, planned from ``inputs``) starts: how many of its
         batches to skip."""
+        if self.finished == epoch:  # read before the state was saved: the next one stays
+            self.finished = None
+            self.current = Progress(epoch, total, total, inputs, ())
+            return total
         skip, stages = 0, self.stages_for(epoch)
         if self.pending is not None and self.pending.epoch == epoch:
             skip = min(self.pending.done, total)
-        self.pending = None
+        self.pending, self.finished = None, None
         self.current = Progress(epoch, skip, total, inputs, stages)
         return skip
 
@@ -721,6 +735,7 @@ class BlockSampler(Sampler[int]):
         self.epoch = 0
         self.yielded = 0  # indices of the epoch being read handed out so far
         self._pending: Position | None = None  # loaded: (epoch, indices to skip)
+        self._chosen: int | None = None  # set_epoch's since the last iter() (see load)
 
     def set_epoch(self, epoch: int) -> None:
         """Draw epoch ``epoch``'s order next (call it before each epoch, as DistributedSampler),
@@ -728,7 +743,7 @@ class BlockSampler(Sampler[int]):
         holds only for its own epoch."""
         if epoch != self.epoch:  # none of it handed out yet: a state saved now reads it all
             self.yielded = 0
-        self.epoch = epoch
+        self.epoch, self._chosen = epoch, epoch
         if self._pending is not None and self._pending.epoch != epoch:
             self._pending = None
         set_epoch_of(self._dataset, epoch)
@@ -758,10 +773,12 @@ class BlockSampler(Sampler[int]):
         return [int(s) for s in placement.shards]
 
     def _counted(self, order: list[int]) -> Iterator[int]:
-        """``order``, counting in :attr:`yielded` each index as it is handed out."""
+        """``order``, counting in :attr:`yielded` each index as it is handed out; the epoch
+        read, a ``set_epoch`` before it no longer says which epoch a state loaded next is for."""
         for i in order:
             self.yielded += 1
             yield i
+        self._chosen = None
 
     def __len__(self) -> int:
         return self._order.item_plan(self.epoch).per_rank()
@@ -806,6 +823,8 @@ class BlockSampler(Sampler[int]):
             self._same_draw(order, checked, inputs.blocks)
         self._order, self._inputs, self.epoch = order, inputs, checked["epoch"]
         self._pending = Position(checked["epoch"], checked["yielded"])
+        if self._chosen is not None:  # torchdata loads it at iter(), after the loop's set_epoch
+            self.set_epoch(self._chosen)
         set_epoch_of(self._dataset, self.epoch)
 
     def _same_draw(self, order: Order, state: dict[str, Any], blocks: np.ndarray) -> None:
@@ -903,10 +922,11 @@ class LengthBatchSampler(Sampler[list[int]]):
         self.epoch = 0
         self._resume = Resume()
         self._warned = False
+        self._chosen: int | None = None  # set_epoch's since the last iter() (see load)
 
     def set_epoch(self, epoch: int) -> None:
         """Plan epoch ``epoch`` next; a loaded state's rest holds only for its own epoch."""
-        self.epoch = epoch
+        self.epoch, self._chosen = epoch, epoch
         self._resume.choose(epoch)
         set_epoch_of(self._dataset, epoch)
 
@@ -938,10 +958,12 @@ class LengthBatchSampler(Sampler[list[int]]):
         return self._counted(batches[skip:])
 
     def _counted(self, batches: list[list[int]]) -> Iterator[list[int]]:
-        """``batches``, each counted as handed out once the loader asks for it."""
+        """``batches``, each counted as handed out once the loader asks for it; the epoch
+        read, a ``set_epoch`` before it no longer says which epoch a state loaded next is for."""
         for batch in batches:
             self._resume.handed_out()
             yield batch
+        self._chosen = None
 
     def __len__(self) -> int:
         """Batches in the epoch to plan next (its whole share, even when resumed part way)."""
@@ -965,6 +987,8 @@ class LengthBatchSampler(Sampler[list[int]]):
         self._order, self.epoch = self._resume.load(
             self._order, state, default_window=not self._window_given
         )
+        if self._chosen is not None:  # torchdata loads it at iter(), after the loop's set_epoch
+            self.set_epoch(self._chosen)
         set_epoch_of(self._dataset, self.epoch)
 
 

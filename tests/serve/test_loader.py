@@ -1343,6 +1343,74 @@ def test_a_length_batch_sampler_gives_the_loaders_batches_and_resumes_in_a_state
         LengthBatchSampler(ds, 301, **kw).load_state_dict(first.state_dict())
 
 
+@pytest.mark.parametrize("kind", ["length", "blocks"])
+def test_a_sampler_state_saved_as_an_epoch_ended_resumes_the_next_epoch_set(
+    resumable: CachedFeatureDataset, kind: str
+) -> None:
+    """A per-epoch checkpoint through StatefulDataLoader: saved after epoch 0, then on resume
+    ``load_state_dict``, ``set_epoch(1)`` and iterate. torchdata loads the sampler's state at
+    that ``iter()``, after the loop's ``set_epoch``: the sampler went back to the state's epoch
+    and epoch 0 was read again (a mixture's epoch 1 draw never read). Now the epoch the loop
+    set is read: the uninterrupted run's epoch 1."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from featbake import BlockSampler, LengthBatchSampler
+
+    ds = StackDataset(resumable, torch.arange(len(resumable)))
+
+    def loader() -> tuple[Any, StatefulDataLoader]:
+        if kind == "length":
+            sampler: Any = LengthBatchSampler(ds, 300, seed=3)
+            return sampler, StatefulDataLoader(ds, batch_sampler=sampler, collate_fn=pad_collate)
+        sampler = BlockSampler(ds, seed=3)
+        return sampler, StatefulDataLoader(
+            ds, batch_size=3, sampler=sampler, collate_fn=pad_collate
+        )
+
+    def epoch(sampler: Any, stateful: StatefulDataLoader, e: int) -> list[list[int]]:
+        sampler.set_epoch(e)
+        return [b[2].tolist() for b in stateful]
+
+    sampler, stateful = loader()
+    uninterrupted = [epoch(sampler, stateful, e) for e in range(2)]
+    assert uninterrupted[0] != uninterrupted[1]
+    sampler, stateful = loader()
+    epoch(sampler, stateful, 0)
+    state = json.loads(json.dumps(stateful.state_dict()))
+    sampler, stateful = loader()
+    stateful.load_state_dict(state)
+    assert epoch(sampler, stateful, 1) == uninterrupted[1]
+
+
+def test_a_loader_state_saved_at_an_epochs_last_batch_resumes_with_that_epoch_read(
+    resumable: CachedFeatureDataset,
+) -> None:
+    """A loop saving ``(epoch, loader.state_dict())`` every step and resuming with ``for e in
+    range(saved_epoch, E): loader.set_epoch(e)``: a state saved at an epoch's last batch
+    says the next epoch's start, so ``set_epoch(saved_epoch)`` dropped it and read that whole
+    epoch again (every item twice). That epoch now reads nothing, the next reads whole."""
+    n = len(resumable)
+    kw = {"batch_size": 4, "seed": 2}
+    whole = FeatureLoader(resumable, **kw)
+    uninterrupted = []
+    for e in range(3):
+        whole.set_epoch(e)
+        uninterrupted.append([len(b[1]) for b in whole])
+    first = FeatureLoader(resumable, **kw)
+    first.set_epoch(0)
+    steps = list(first)
+    assert len(steps) == len(uninterrupted[0])
+    saved_epoch, state = 0, json.loads(json.dumps(first.state_dict()))  # at its last batch
+    again = FeatureLoader(resumable, **kw)
+    again.load_state_dict(state)
+    read = []
+    for e in range(saved_epoch, 3):
+        again.set_epoch(e)
+        read.append([len(b[1]) for b in again])
+    assert read == [[], uninterrupted[1], uninterrupted[2]]
+    assert sum(map(sum, read)) == 2 * n
+
+
 def test_a_sampler_reads_an_item_longer_than_batch_frames_alone_with_one_warning(
     resumable: CachedFeatureDataset,
 ) -> None:
