@@ -264,7 +264,7 @@ READ_BYTES = 1 << 16
 #: a longer one is passed over unread (no cut's type is that long).
 KEPT_BYTES = 1 << 10
 #: The fields of the first line looked at (:func:`is_a_cut`).
-CUT_FIELDS = frozenset({"type", "recording"})
+CUT_FIELDS = frozenset({"type", "recording", "tracks"})
 
 _NOT_SPACE = re.compile(rb"[^ \t\r]")  # a JSON line's blanks (a newline ends the line)
 _TEXT_STOP = re.compile(rb'["\\\n]')  # what ends or escapes a JSON string, or the line
@@ -411,10 +411,10 @@ _UNREAD = object()
 
 
 def first_line_object(path: str) -> dict[str, Any] | None:
-    """The fields :func:`is_a_cut` looks at (``type``, ``recording``) of the JSON object on a
-    local ``.jsonl`` (or gzip-compressed ``.jsonl.gz``) file's first line, or None where the
-    file cannot be read or that line is no JSON object. The line is read through, however
-    long, holding a piece of it at a time (:class:`FirstLine`)."""
+    """The fields :func:`is_a_cut` looks at (``type``, ``recording``, ``tracks``) of the JSON
+    object on a local ``.jsonl`` (or gzip-compressed ``.jsonl.gz``) file's first line, or None
+    where the file cannot be read or that line is no JSON object. The line is read through,
+    however long, holding a piece of it at a time (:class:`FirstLine`)."""
     try:
         with open(path, "rb") as raw:
             f = gzip.GzipFile(fileobj=raw) if gzip_compressed(raw) else raw
@@ -425,14 +425,19 @@ def first_line_object(path: str) -> dict[str, Any] | None:
 
 def is_a_cut(first: Mapping[str, Any]) -> bool:
     """Whether a manifest's first object is a lhotse cut (a ``type`` ending in ``Cut`` and a
-    ``recording`` object): lhotse reads ``cuts.jsonl`` and ``cuts.jsonl.gz`` alike, by their
-    content, so a ``.jsonl`` may hold cuts and a ``.jsonl.gz`` rows.
+    ``recording`` object, or a ``MixedCut``'s ``tracks``: a padded or mixed cut, which the
+    cut manifest then refuses in one line): lhotse reads ``cuts.jsonl`` and ``cuts.jsonl.gz``
+    alike, by their content, so a ``.jsonl`` may hold cuts and a ``.jsonl.gz`` rows.
 
     Example:
         >>> is_a_cut({"type": "MonoCut", "recording": {}}), is_a_cut({"path": "a.wav"})
         (True, False)
+        >>> is_a_cut({"type": "MixedCut", "tracks": []})
+        True
     """
-    return isinstance(first.get("recording"), dict) and str(first.get("type", "")).endswith("Cut")
+    kind = str(first.get("type", ""))
+    held = isinstance(first.get("recording"), dict) or "tracks" in first
+    return held and kind.endswith("Cut")
 
 
 def _is_bucket_prefix(where: str) -> bool:

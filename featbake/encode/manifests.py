@@ -1325,6 +1325,12 @@ def cut_item(cut: Mapping[str, Any], paths: ToolPaths, where: str) -> tuple[str,
             transforms without lhotse installed.
     """
     rec = cut.get("recording")
+    if isinstance(cut.get("tracks"), list) and "id" in cut:
+        raise BadRow(
+            f"cut {cut['id']} is a {cut.get('type', 'MixedCut')} (a padded or mixed cut: "
+            "`.pad()`, `.mix()`, `.append()`), whose audio featbake does not make; build the "
+            "cuts before padding them (pad the features when batching: pad_collate)"
+        )
     if not isinstance(rec, Mapping) or "id" not in cut:
         raise BadRow("not a cut (no id or recording); featbake reads MonoCut lines")
     try:

@@ -826,6 +826,28 @@ def test_cuts_whose_times_fall_between_two_samples_are_read_as_lhotse_reads_them
         torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5, msg=cut.id)
 
 
+def test_padded_cuts_are_refused_in_one_line_each_naming_what_they_are(
+    tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cuts.pad(duration=...)`` saves MixedCut lines (``tracks``, no ``recording``): a
+    manifest of them was taken for a row manifest ("has no column 'path' ... --column"), and
+    one after a plain cut was "not a cut". Each is now one line saying it is a padded cut;
+    the plain cut builds."""
+    lhotse = pytest.importorskip("lhotse")
+    monkeypatch.chdir(tmp_path)
+    noise_wav(tmp_path / "r.wav", 3.0, 16000, seed=50)
+    cut = lhotse.Recording.from_file("r.wav").to_cut().truncate(offset=0.5, duration=1.0)
+    lhotse.CutSet.from_cuts([cut.pad(duration=2.0)]).to_file(tmp_path / "padded.jsonl.gz")
+    got = invoke("build", "-e", encoder_file, "-d", tmp_path / "padded.jsonl.gz",
+                 "--cache", store_dir)  # fmt: skip
+    assert got.returncode == 3 and "--column" not in got.stderr, got.stderr
+    assert "is a MixedCut (a padded or mixed cut" in got.stdout + got.stderr
+    lhotse.CutSet.from_cuts([cut, cut.pad(duration=2.0)]).to_file(tmp_path / "both.jsonl.gz")
+    report = build(tmp_path / "both.jsonl.gz", encoder_file, cache=store_dir, workers=0)
+    assert report.encoded == 1 and len(report.failed) == 1
+    assert "a padded or mixed cut" in report.failed[0][1]
+
+
 def test_perturbed_cuts_without_lhotse_are_refused_one_line_each(
     tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
