@@ -252,11 +252,9 @@ def warn_hidden_draws(dataset: Any) -> None:
     wrapper sets the mixture's epoch itself, the loader's epochs never reach it, and every
     epoch reads epoch 0's draw (a down-weighted dataset never read past it). A warning, not a
     refusal: a wrapper may drive its mixture's epochs itself."""
-    from featbake.serve.mixing import MixedDataset
-
     if draws_per_epoch(dataset):
         return
-    held = holding_attribute(dataset, lambda d: isinstance(d, MixedDataset))
+    held = holding_attribute(dataset, is_mixture)
     if held is not None:
         kind = type(dataset).__name__
         warnings.warn(
@@ -267,6 +265,13 @@ def warn_hidden_draws(dataset: Any) -> None:
             HiddenDrawsWarning,
             stacklevel=3,
         )
+
+
+def is_mixture(dataset: Any) -> bool:
+    """Whether ``dataset`` is a mixture that draws its items per epoch (a
+    :class:`~featbake.MixedDataset`, known by what it offers: ``set_epoch``, ``locate`` and
+    ``fingerprint``; serve/mixing.py imports this module, not the other way round)."""
+    return all(callable(getattr(dataset, m, None)) for m in ("set_epoch", "locate", "fingerprint"))
 
 
 class HiddenDrawsWarning(UserWarning):
