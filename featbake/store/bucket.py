@@ -544,7 +544,7 @@ class BucketStore(ProcessLocalState):
         self.publish_shards(shards)
         self.bucket.upload(f"{FRAGMENTS}{fragment.name}", fragment)
         with locked(self._seen_lock):
-            self._write_seen(self._read_seen() | {fragment.name})
+            self._write_seen(self._seen_or_sealed() | {fragment.name})
 
     def defers_fragments(self) -> bool:
         return True  # each fragment is a PUT (and a fold for merge): a build batches them
@@ -822,11 +822,11 @@ class BucketStore(ProcessLocalState):
         got = 0
         with locked(self._seen_lock):
             listed = {Path(o.name).name for o in self.bucket.list(FRAGMENTS)}
-            seen = self._read_seen()
+            sealed = {f.path.name for f in sealed_fragments(self.layout)}
+            seen = self._seen_or_sealed(sealed)
             for name in retired_copies(seen, listed):
                 with contextlib.suppress(FileNotFoundError):
                     (here / name).unlink()
-            sealed = {f.path.name for f in sealed_fragments(self.layout)}
             listed |= self._adopted(unsent_copies(sealed, seen, listed))
             for name in sorted(listed):
                 final = here / name
@@ -868,14 +868,24 @@ class BucketStore(ProcessLocalState):
     def _seen_lock(self) -> Path:
         return self.layout.root / "fragments.lock"
 
-    def _read_seen(self) -> set[str]:
-        """The names of :data:`SEEN_FRAGMENTS` (none where it is missing or unreadable: then
-        no copy is let go, as before it was kept)."""
+    def _seen_or_sealed(self, sealed: set[str] | None = None) -> set[str]:
+        """:meth:`_read_seen`, or where the tier has no record yet (a tier older than it), its
+        sealed fragments (``sealed``, else listed now): their history is unknown, so none is
+        taken for unsent (and uploaded: a root dropped since would come back), and one the
+        bucket lists no more is let go as a retired copy."""
+        seen = self._read_seen()
+        if seen is not None:
+            return seen
+        return {f.path.name for f in sealed_fragments(self.layout)} if sealed is None else sealed
+
+    def _read_seen(self) -> set[str] | None:
+        """The names of :data:`SEEN_FRAGMENTS`; None where it is missing or unreadable (see
+        :meth:`sync_fragments`)."""
         try:
             names = json.loads((self.layout.root / SEEN_FRAGMENTS).read_text())
         except (OSError, ValueError):
-            return set()
-        return {str(n) for n in names} if isinstance(names, list) else set()
+            return None
+        return {str(n) for n in names} if isinstance(names, list) else None
 
     def _write_seen(self, names: set[str]) -> None:
         path = self.layout.root / SEEN_FRAGMENTS

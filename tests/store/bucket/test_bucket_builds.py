@@ -162,6 +162,36 @@ def test_a_fragment_sealed_but_never_uploaded_is_adopted_by_the_rerun(
     assert "orphan" not in clean.stdout + clean.stderr
 
 
+def test_a_tier_with_no_record_of_its_fragments_sends_none_and_encodes_again(
+    s3: S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
+) -> None:
+    """A tier older than its record of the fragments the bucket held (``fragments.seen``)
+    cannot tell an unsent fragment from a copy another node merged and retired (a root
+    dropped since would come back if it were sent): it sends none, lets go of what the bucket
+    does not list, and the rerun encodes those features again, the root whole."""
+    monkeypatch.syspath_prepend(counting_encoder["PYTHONPATH"].split(os.pathsep)[1])
+    env = {**os.environ, **node(s3, "a", tmp_path, counting_encoder)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_BEFORE_THE_UPLOAD, str(clips), s3.url],
+        env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    tier = Path(env["FEATBAKE_LOCAL_CACHE"])
+    for record in tier.rglob("fragments.seen"):
+        record.unlink()
+    rerun = invoke(
+        *build_args(clips, s3.url), "--json", env=node(s3, "a", tmp_path, counting_encoder)
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    report = json.loads(rerun.stdout)
+    assert (report["encoded"], report["reused"]) == (24, 0)
+    assert not s3.objects("fragments/") and not list(tier.rglob("fragments/*.sqlite"))
+    roots = invoke("roots", "--json", "--cache", s3.url, env=node(s3, "b", tmp_path, {}))
+    assert [(r["items"], r["missing"]) for r in json.loads(roots.stdout)] == [(24, 0)]
+    assert_bucket_serves_live(s3, clips, tmp_path)
+
+
 @pytest.mark.slow
 def test_torchrun_two_ranks_build_into_a_bucket_and_rank_0_publishes(
     place: Place, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
