@@ -19,6 +19,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from multiprocessing import util as mp_util
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from featbake.encode.hf import recipe_for_encoder
 from featbake.encode.inputs import inputs_at
 from featbake.encode.outputs import layer_of_part, part_name
 from featbake.encode.sources import source_for
-from featbake.errors import ConfigError, StoreError
+from featbake.errors import ConfigError, SourceError, StoreError
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe
 from featbake.serve.index import (
@@ -62,6 +63,7 @@ from featbake.serve.state import (
     save_at_exit,
     store_read_only,
 )
+from featbake.store.byteplace import resolved
 from featbake.store.fragment_catalog import open_serving_catalog
 from featbake.store.hash_cache import FileStat
 from featbake.store.layout import Layout
@@ -221,12 +223,25 @@ def _layer(item: Mapping[str, torch.Tensor], k: int) -> torch.Tensor:
 # (through the hash cache), the item is re-keyed in this process, and the read goes on as usual:
 # a hit when the store holds the new bytes' feature, else a miss under ``on_miss``. A file gone
 # since keeps serving its stored feature, as without ``revalidate``.
-def revalidate(index: Index, st: ProcessState, idx: Iterable[int]) -> None:
-    """Re-key every item of ``idx`` whose file changed since its key was hashed.
+def revalidate(
+    index: Index, st: ProcessState, idx: Iterable[int], named: str | None = None
+) -> None:
+    """Re-key every item of ``idx`` whose file changed since its key was hashed. ``named``:
+    the folder as the dataset was given it, where it is one (its items' paths are the folder
+    it led to then: one that leads elsewhere now, a link retargeted, is refused).
 
     Raises:
-        SourceError: a changed file cannot be read now (its old feature is not served).
+        SourceError: a changed file cannot be read now (its old feature is not served), or the
+            folder leads elsewhere now.
     """
+    if named is not None and index.data_dir is not None:
+        leads = resolved(named)
+        if leads != index.data_dir:
+            raise SourceError(
+                f"the data folder {named} leads to {leads} now, not to {index.data_dir} as when "
+                "this dataset was made (a link retargeted?); make the dataset again to serve "
+                "what it holds now"
+            )
     stats = index.stats
     for i in idx:
         path = index.path(i)
@@ -248,6 +263,14 @@ def _rekey(index: Index, st: ProcessState, i: int, path: str) -> None:
     shards = {loc.shard for loc in locs}
     index.rekey(i, key, hashed[path], shards.pop() if len(shards) == 1 else None)
     st.forget(i)
+
+
+def named_folder(data: Any, index: Index) -> str | None:
+    """The folder a dataset was given, as given (absolute, links kept), where its items are a
+    folder's files: :func:`revalidate` refuses one that leads elsewhere later."""
+    if index.data_dir is None or not isinstance(data, str | Path):
+        return None
+    return os.path.abspath(os.path.expanduser(os.fspath(data)))
 
 
 def refuse_revalidate_of_objects(data: Any, revalidate: bool, column: str | None = None) -> None:
@@ -429,6 +452,7 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         finally:
             catalog.close()
         self._served = self._served and self._served.for_index(self._layout, self._index)
+        self._named_folder = named_folder(data, self._index) if revalidate else None
         self._reads = Reads(self._index, self._layout, self._served)
         self._misses = Misses(self._index, self._reads, self._live, self._source, self.recipe)
         self._misses.configure(on_miss, self.write_back)  # warns of live encoding it can name
@@ -608,7 +632,7 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         if type(i) is not int or not 0 <= i < len(self._index.keys):
             i = self._index.position(i)
         if self.revalidate:
-            revalidate(self._index, st, (i,))
+            revalidate(self._index, st, (i,), self._named_folder)
         value = self._reads.item(st, i)  # the RAM tier or the store, as served
         if value is None:
             value = self._reads.as_served(self._misses.values(st, [i])[0])
@@ -628,7 +652,7 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
         n = len(self._index.keys)
         idx = [i if type(i) is int and 0 <= i < n else self._index.position(i) for i in indices]
         if self.revalidate:
-            revalidate(self._index, st, idx)
+            revalidate(self._index, st, idx, self._named_folder)
         if self._index.parts == ("",) and idx and self._layer_view is None:
             batch = self._reads.padded(st, idx, self._served)  # served: dequantised as read
             if batch is not None:

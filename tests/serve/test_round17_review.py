@@ -24,6 +24,7 @@ import pytest
 import soundfile
 import torch
 
+from featbake.errors import SourceError
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.testing import make_tone
 from tests.conftest import REPO, invoke, live_features
@@ -272,6 +273,29 @@ def test_a_listed_symlink_repointed_since_is_revalidated_where_it_points_now(
     link.unlink()
     link.symlink_to(takes / "t2.wav")
     torch.testing.assert_close(ds[0], _live(encoder_file, t2, tmp_path))
+
+
+def test_a_folder_reached_through_a_link_repointed_since_is_refused_by_revalidate(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """A folder given as ``data -> corpus-v1``, ``revalidate=True``; the link re-pointed at
+    corpus-v2 (same names, other takes). The folder was resolved once, so each read stat'ed
+    corpus-v1's file, saw no change, and served its features for data/c0.wav, which holds
+    v2's bytes now. It is refused in one line saying to make the dataset again."""
+    for version, seed in (("corpus-v1", 1), ("corpus-v2", 2)):
+        (tmp_path / version).mkdir()
+        (tmp_path / version / "c0.wav").write_bytes(_wav(0.4, seed))
+    link = tmp_path / "data"
+    link.symlink_to(tmp_path / "corpus-v1")
+    assert not bake(link, encoder_file, store_dir).failed
+    ds = CachedFeatureDataset(link, encoder_file, cache=store_dir, revalidate=True)
+    torch.testing.assert_close(ds[0], _live(encoder_file, _wav(0.4, 1), tmp_path))
+    link.unlink()
+    link.symlink_to(tmp_path / "corpus-v2")
+    with pytest.raises(SourceError, match=r"leads to .*corpus-v2 now, not to .*corpus-v1"):
+        ds[0]
+    again = CachedFeatureDataset(link, encoder_file, cache=store_dir, revalidate=True)
+    torch.testing.assert_close(again[0], _live(encoder_file, _wav(0.4, 2), tmp_path))
 
 
 # == r17.12: a baked store on a disk with no room left =============================================
