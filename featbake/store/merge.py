@@ -34,7 +34,8 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,8 +171,31 @@ def merge(
     """
     # One merge at a time: a second, having listed and read a build's fragments, folded them
     # again after the first had removed them. It waits, then lists what is left.
-    with locked(layout.root / MERGE_LOCK):
+    with merging_alone(layout):
         return _merged(layout, between, skip_damaged)
+
+
+@contextlib.contextmanager
+def merging_alone(layout: Layout) -> Iterator[None]:
+    """Hold the store's merge lock; where another merge holds it, say once that this one
+    waits for it (a long merge: a wait in silence looks like a hang), then wait."""
+    path = layout.root / MERGE_LOCK
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(locked(path, wait=0))
+        except TimeoutError:
+            warnings.warn(
+                f"another merge of {layout.root} is running; this one waits for it to finish, "
+                "then merges what is left",
+                MergeWaitWarning,
+                stacklevel=4,
+            )
+            held.enter_context(locked(path))
+        yield
+
+
+class MergeWaitWarning(UserWarning):
+    """A merge waits for another merge of the same store (:func:`merging_alone`)."""
 
 
 #: ``<store>/merge.lock``: held by a merge for its whole run.

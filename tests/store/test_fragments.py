@@ -146,6 +146,37 @@ def test_one_merge_at_a_time_and_a_fragment_gone_meanwhile_is_never_made_again(
     assert_equals_live(store, audio_dir, encoder_file)
 
 
+def test_a_merge_waiting_for_another_says_so_once_then_merges_what_is_left(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second merge waited in silence for the first (a long merge: it looked hung). It now
+    says once that it waits, then merges what is left (here everything: the lock was held
+    by the test, not by a merge)."""
+    from featbake.store.locks import locked
+    from featbake.store.merge import MERGE_LOCK, MergeWaitWarning
+
+    store = tmp_path / "store"
+    build_parts(audio_dir, encoder_file, store, 2)
+    said, reports = threading.Event(), []
+
+    def shown(message: Any, category: type, *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, MergeWaitWarning):
+            said.set()
+
+    monkeypatch.setattr(warnings, "showwarning", shown)
+    with locked(store / MERGE_LOCK):
+        waiting = threading.Thread(target=lambda: reports.append(merge(Layout(store))))
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", MergeWaitWarning)
+            monkeypatch.setattr(warnings, "showwarning", shown)
+            waiting.start()
+            assert said.wait(timeout=60)
+            assert waiting.is_alive()  # it waits for the lock
+    waiting.join(timeout=120)
+    assert not waiting.is_alive() and len(reports[0].roots) == 1
+    assert_equals_live(store, audio_dir, encoder_file)
+
+
 class Killed(Exception):
     """Stands for SIGKILL at one step of a merge."""
 
