@@ -236,9 +236,7 @@ def keys_for_other_ranks(spec: RankSpec, keys: Sequence[str]) -> set[str]:
     """
     if not spec.launched_together:
         return set()
-    gathered: list[list[str] | None] = [None] * spec.world
-    dist.all_gather_object(gathered, list(keys))
-    return owned_by_lower_ranks(spec.rank, [g or [] for g in gathered])
+    return owned_by_lower_ranks(spec.rank, gathered(spec, list(keys)))
 
 
 def gathered(spec: RankSpec, mine: T) -> list[T]:
