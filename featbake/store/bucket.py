@@ -116,6 +116,8 @@ HEADS_AHEAD = 64
 #: ``<tier>/tier.json``: marks a folder as a bucket store's local tier, naming its bucket (a
 #: tier given as ``--cache`` is refused: :func:`featbake.store.open.open_store`).
 TIER_MARK = "tier.json"
+#: ``<tier>/catalog.version``: the catalog version the tier holds (and its ETag).
+VERSION_FILE = "catalog.version"
 #: ``<tier>/fragments.seen``: the fragments this tier knows the bucket held (it uploaded or
 #: downloaded them), so that one the bucket no longer lists is known retired, not unsent.
 SEEN_FRAGMENTS = "fragments.seen"
@@ -702,7 +704,7 @@ class BucketStore(ProcessLocalState):
     def version_file(self) -> Path:
         """``<tier>/catalog.version``: which published version the tier's catalog is, and the
         ETag the bucket gave that version's object (JSON)."""
-        return self.layout.root / "catalog.version"
+        return self.layout.root / VERSION_FILE
 
     def _pinned(self) -> PinnedVersion | None:
         """The version and ETag the tier's catalog was downloaded as; None when the tier has no

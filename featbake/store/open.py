@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from featbake.errors import AwaitingMerge, ConfigError, StoreError
-from featbake.store.bucket import TIER_MARK, BucketStore
+from featbake.store.bucket import TIER_MARK, VERSION_FILE, BucketStore
 from featbake.store.catalog import READ_ONLY_ENV, Catalog, cannot_write, read_only_forced
 from featbake.store.files import list_folder
 from featbake.store.filesystem import announce, detect
@@ -140,9 +140,9 @@ def _refuse_tier(layout: Layout) -> None:
     Raises:
         ConfigError: ``layout`` is a tier (its mark, or the catalog.version file tiers keep).
     """
-    mark = layout.root / TIER_MARK
-    if not (mark.is_file() or (layout.root / "catalog.version").is_file()):
+    if not is_tier_folder(layout.root):
         return
+    mark = layout.root / TIER_MARK
     try:
         url = str(json.loads(mark.read_text())["url"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -151,6 +151,12 @@ def _refuse_tier(layout: Layout) -> None:
         f"{layout.root} is the local tier of the bucket store {url}, not a store of its own; "
         f"use --cache {url} (with --local-cache pointing above this folder)"
     )
+
+
+def is_tier_folder(folder: Path) -> bool:
+    """Whether ``folder`` is a bucket prefix's local tier: its mark, or the
+    ``catalog.version`` file tiers keep (one made before the mark was)."""
+    return (folder / TIER_MARK).is_file() or (folder / VERSION_FILE).is_file()
 
 
 def _refuse_tier_in_store(tier: Path) -> None:
@@ -165,7 +171,7 @@ def _refuse_tier_in_store(tier: Path) -> None:
     for folder in (tier.absolute(), *tier.absolute().parents):
         if not ((folder / "catalog.sqlite").is_file() and (folder / "shards").is_dir()):
             continue  # a store has both (another program's catalog.sqlite is no store)
-        if (folder / TIER_MARK).is_file() or (folder / "catalog.version").is_file():
+        if is_tier_folder(folder):
             return  # a bucket prefix's own tier folder, above another prefix's: refused later
         raise ConfigError(
             f"the bucket's local cache {tier} (--local-cache) is inside the featbake store "
