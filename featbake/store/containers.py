@@ -238,8 +238,8 @@ def list_members(tar: str, fileobj: RangedObject | BinaryIO | None = None) -> li
         raise SourceError(f"{tar}: not a readable tar file ({e})") from e
     out: list[Member] = []
     for m in found:
-        if printable(m.name) != m.name:  # named by its printable form from here on
-            name = printable(m.name)
+        name = printable(m.name)
+        if name != m.name:  # not UTF-8: named by its printable form from here on
             out.append(Member(name, m.offset_data, m.size, not_utf8_member(tar, name)))
             continue
         if m.sparse is not None:

@@ -275,7 +275,8 @@ def plan_gc(
     refuse_while_rebuild_pending(layout)  # a half-rebuilt catalog lacks roots: all unreached
     layout, catalog = open_catalog(layout)
     place = place_of(layout)
-    if not place.rewrites_shards():
+    rewrites = place.rewrites_shards()
+    if not rewrites:
         opts = dataclasses.replace(opts, compact_below=0.0, merge_small=False)
     with closing(catalog):
         refuse_wrong_kinds(catalog)  # gc adds, compares and deletes by these values
@@ -295,14 +296,15 @@ def plan_gc(
         short = None
         if opts.max_bytes is not None and reached is not None:
             shards = _shards_of(reached, shard_rows)
-            whole = not place.rewrites_shards()
-            evict, short = budget_evictions(layout, reached, shards, opts.max_bytes, waiting, whole)
+            evict, short = budget_evictions(
+                layout, reached, shards, opts.max_bytes, waiting, whole=not rewrites
+            )
         fates = shard_fates(
             shard_rows,
             catalog.shard_usage(),
             removed_per_shard(unreached, evict),
             opts,
-            place.rewrites_shards() and _must_rewrite(opts, evict, shard_rows),
+            rewrites and _must_rewrite(opts, evict, shard_rows),
         )
     sweep = place.plan_sweep(now, opts.grace, opts.retention)
     return GcPlan(
