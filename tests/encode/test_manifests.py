@@ -734,6 +734,16 @@ def encoded_now(encoder: Path, audio: np.ndarray, rate: int) -> torch.Tensor:
         return module(torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))[None])[0]
 
 
+def assert_served_as_lhotse_loads(manifest: Path, cuts: Any, encoder: Path, store: Path) -> None:
+    """Each cut of ``manifest`` (built into ``store``) has a key of its own and is served the
+    encoder run now on lhotse's own ``cut.load_audio()``."""
+    ds = quiet_dataset(manifest, encoder, store, on_miss="error")
+    assert len({ds.key(i) for i in range(len(ds))}) == len(ds) == len(cuts)
+    for i, cut in enumerate(cuts):
+        want = encoded_now(encoder, cut.load_audio(), cut.sampling_rate)
+        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5, msg=cut.id)
+
+
 def noise_wav(path: Path, seconds: float, rate: int, seed: int) -> Path:
     """``seconds`` of seeded noise at ``rate`` (float32 WAV, so no quantisation blurs it)."""
     samples = np.random.default_rng(seed).uniform(-0.5, 0.5, round(seconds * rate))
@@ -793,11 +803,7 @@ def test_perturbed_cuts_are_served_the_audio_lhotse_loads_for_them(
     cuts = perturbed_cuts(tmp_path)
     report = build(tmp_path / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=2)
     assert not report.failed and report.encoded == 4
-    ds = quiet_dataset(tmp_path / "cuts.jsonl.gz", encoder_file, store_dir, on_miss="error")
-    assert len({ds.key(i) for i in range(4)}) == 4
-    for i, cut in enumerate(cuts):
-        want = encoded_now(encoder_file, cut.load_audio(), cut.sampling_rate)
-        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5, msg=cut.id)
+    assert_served_as_lhotse_loads(tmp_path / "cuts.jsonl.gz", cuts, encoder_file, store_dir)
 
 
 def test_cuts_whose_times_fall_between_two_samples_are_read_as_lhotse_reads_them(
@@ -819,11 +825,7 @@ def test_cuts_whose_times_fall_between_two_samples_are_read_as_lhotse_reads_them
     cuts.to_file(tmp_path / "cuts.jsonl.gz")
     report = build(tmp_path / "cuts.jsonl.gz", encoder_file, cache=store_dir, workers=0)
     assert not report.failed and report.encoded == 5 and report.duplicates == 0
-    ds = quiet_dataset(tmp_path / "cuts.jsonl.gz", encoder_file, store_dir, on_miss="error")
-    assert len({ds.key(i) for i in range(5)}) == 5
-    for i, cut in enumerate(cuts):
-        want = encoded_now(encoder_file, cut.load_audio(), cut.sampling_rate)
-        torch.testing.assert_close(ds[i], want, rtol=1e-5, atol=1e-5, msg=cut.id)
+    assert_served_as_lhotse_loads(tmp_path / "cuts.jsonl.gz", cuts, encoder_file, store_dir)
 
 
 def test_padded_cuts_are_refused_in_one_line_each_naming_what_they_are(

@@ -123,14 +123,15 @@ featbake.build(data, "countenc:build", cache=url, workers=0, batch_size=1, shard
 """
 
 
-def test_a_fragment_sealed_but_never_uploaded_is_adopted_by_the_rerun(
-    s3: S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
-) -> None:
-    """A fragment the tier holds and the bucket never had (its build killed between the seal
-    and the upload) is uploaded by the node's next sync: the rerun there reuses its feature
-    and publishes a root missing nothing. Before, the rerun counted it stored (the tier's
-    fragments/ holds it) but no merge folded it (the bucket never listed it): exit 0, what it named
-    items missing in every later version, verify clean, the dataset's CacheMiss."""
+def killed_before_the_upload(
+    s3: S3,
+    clips: Path,
+    tmp_path: Path,
+    counting_encoder: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> Path:
+    """Node a's build into ``s3`` SIGKILLed between its first fragment's seal and its upload
+    (:data:`KILLED_BEFORE_THE_UPLOAD`); node a's tier."""
     monkeypatch.syspath_prepend(counting_encoder["PYTHONPATH"].split(os.pathsep)[1])
     env = {**os.environ, **node(s3, "a", tmp_path, counting_encoder)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -139,7 +140,18 @@ def test_a_fragment_sealed_but_never_uploaded_is_adopted_by_the_rerun(
         env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
     )  # fmt: skip
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    tier = Path(env["FEATBAKE_LOCAL_CACHE"])
+    return Path(env["FEATBAKE_LOCAL_CACHE"])
+
+
+def test_a_fragment_sealed_but_never_uploaded_is_adopted_by_the_rerun(
+    s3: S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
+) -> None:
+    """A fragment the tier holds and the bucket never had (its build killed between the seal
+    and the upload) is uploaded by the node's next sync: the rerun there reuses its feature
+    and publishes a root missing nothing. Before, the rerun counted it stored (the tier's
+    fragments/ holds it) but no merge folded it (the bucket never listed it): exit 0, what it named
+    items missing in every later version, verify clean, the dataset's CacheMiss."""
+    tier = killed_before_the_upload(s3, clips, tmp_path, counting_encoder, monkeypatch)
     unsent = list(tier.rglob("fragments/*.part.sqlite"))  # sealed here, never sent
     assert len(unsent) == 1 and not s3.objects("fragments/") and not s3.objects("catalog/")
     sealed = len(fragment_keys(unsent))
@@ -169,15 +181,7 @@ def test_a_tier_with_no_record_of_its_fragments_sends_none_and_encodes_again(
     cannot tell an unsent fragment from a copy another node merged and retired (a root
     dropped since would come back if it were sent): it sends none, lets go of what the bucket
     does not list, and the rerun encodes those features again, the root whole."""
-    monkeypatch.syspath_prepend(counting_encoder["PYTHONPATH"].split(os.pathsep)[1])
-    env = {**os.environ, **node(s3, "a", tmp_path, counting_encoder)}
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    killed = subprocess.run(
-        [sys.executable, "-c", KILLED_BEFORE_THE_UPLOAD, str(clips), s3.url],
-        env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    tier = Path(env["FEATBAKE_LOCAL_CACHE"])
+    tier = killed_before_the_upload(s3, clips, tmp_path, counting_encoder, monkeypatch)
     for record in tier.rglob("fragments.seen"):
         record.unlink()
     rerun = invoke(
