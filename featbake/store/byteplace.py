@@ -55,9 +55,9 @@ from featbake.store.containers import (
     gzip_stream,
     is_gzip_tar,
     is_tar,
-    left_out,
     list_members,
     member_digests,
+    parquet_names,
     printable,
     ranged_member_digests,
     read_member,
@@ -1163,7 +1163,7 @@ class Objects(BytePlace):
         # local folder's are (pyarrow's ignored names passed over, one split), in name order.
         bucket, key = prefix_at(where)
         names = [o.name[len(key) :] for o in bucket.list(key)]
-        kept = sorted(n for n in names if n.lower().endswith(".parquet") and not left_out(n))
+        kept = parquet_names(names)
         refuse_several_splits(where, kept, bucket_card(bucket, key, names))
         return [TableFile(f"{where}/{n}", ranged_object) for n in kept]
 

@@ -816,7 +816,7 @@ def table_files(where: str, listed: Callable[[str], Iterable[str]] = os.listdir)
             raise SourceError(f"{state} names no data file")
         return [os.path.join(where, n) for n in files]
     everything = list(listed(where))
-    names = sorted(n for n in everything if n.lower().endswith(".parquet") and not left_out(n))
+    names = parquet_names(everything)
     refuse_several_splits(where, names, folder_card(where, everything))
     return [os.path.join(where, n) for n in names]
 
@@ -826,6 +826,18 @@ def table_files(where: str, listed: Callable[[str], Iterable[str]] = os.listdir)
 #: ``_committed_*``, ``_metadata``, a hidden ``.part-1.tmp.parquet`` being written, a ``.crc``)
 #: are no rows, as they are none to ``pyarrow.dataset.dataset(folder)`` or ``pq.read_table``.
 TABLE_IGNORED_PREFIXES = (".", "_")
+
+
+def parquet_names(names: Iterable[str]) -> list[str]:
+    """The parquet files among a folder's (or a bucket prefix's) names, in name order, those
+    pyarrow passes over left out (:func:`left_out`): the one rule of a local folder and a
+    prefix of a table's files.
+
+    Example:
+        >>> parquet_names(["b.parquet", "A.PARQUET", "_SUCCESS", "_tmp.parquet", "card.md"])
+        ['A.PARQUET', 'b.parquet']
+    """
+    return sorted(n for n in names if n.lower().endswith(".parquet") and not left_out(n))
 
 
 def left_out(name: str) -> bool:
