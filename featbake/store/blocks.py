@@ -42,6 +42,9 @@ class BlockPlan:
         >>> padded.current = 0
         >>> padded.opened("b"), padded.opened("a")
         (None, 1)
+        >>> padded.current = 2
+        >>> padded.opened("b")  # read again at the end: the padding window's
+        3
     """
 
     def __init__(self, windows: Sequence[Sequence[str]]) -> None:
@@ -58,11 +61,14 @@ class BlockPlan:
         when it moves nothing (a shard of the current window, of one passed, or of none)."""
         self.read.add(name)
         at = self._at.get(name, ())
-        if any(k <= self.current for k in at):
-            # Read again by a later window too (a rank's padding repeats the epoch's first
-            # items at its end): a read of it now is of the current or a passed window, and
-            # moving on to that later window would leave the windows between unkept.
+        if self.current in at:
             return None
+        if any(k < self.current for k in at):
+            # Read before and by a later window too (a rank's padding repeats the epoch's first
+            # items at its end): the next window's when that window reads it (each padding
+            # window entered in turn, and fetched ahead), else a passed window's late read
+            # (moving on to a later window would leave the windows between unkept).
+            return self.current + 1 if self.current + 1 in at else None
         return at[0] if at else None
 
     def keep(self, k: int) -> tuple[str, ...]:

@@ -57,6 +57,23 @@ def test_a_ranks_padding_window_is_not_entered_by_a_read_of_the_current_window()
     assert plan.opened("1") == 2
 
 
+def test_each_padding_window_at_an_epochs_end_is_entered_in_turn() -> None:
+    """Padding of two windows repeats the first two windows' shards at the end: each read of
+    them there moves the plan on one window, so the second padding window is kept and fetched
+    ahead as any other (the plan stayed in the last real window, the padding never kept)."""
+    plan = BlockPlan([["a"], ["b"], ["c"], ["a"], ["b"]])
+    for k, name in enumerate("abc"):
+        assert plan.opened(name) == k
+        plan.current = k
+    assert plan.opened("b") is None  # a late read of a passed window moves nothing
+    assert plan.opened("a") == 3
+    plan.current = 3
+    assert plan.keep(3) == ("a", "b")
+    assert plan.opened("b") == 4
+    plan.current = 4
+    assert plan.opened("a") is None and plan.passed(4) == ["a", "c"]
+
+
 def test_a_block_shuffled_epoch_through_a_third_of_the_data_fetches_each_shard_about_once(
     place: Remote | S3, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
