@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
+import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -285,3 +288,47 @@ def test_random_sequence_against_model() -> None:
             model.evictions,
             model.rejected,
         )
+
+
+def test_two_threads_putting_and_popping_keep_the_byte_count_exact() -> None:
+    """A process's RAM tier is used by a loader's reader thread and the training loop at once:
+    unlocked, interleaved puts drifted the count from what is held (the tier shrank) until an
+    eviction popped from an empty cache (``KeyError``). Locked, the count is what it holds."""
+    cache: ByteLRU[int, bytes] = ByteLRU(max_bytes=64, getsizeof=len)
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def churn(offset: int) -> None:
+        start.wait()
+        try:
+            for n in range(100_000):
+                key = (n * 7 + offset) % 24
+                cache.put(key, b"x" * (1 + key % 13))
+                if n % 5 == 0:
+                    cache.pop((key + 3) % 24)
+                cache.get((key + 1) % 24)
+        except BaseException as e:  # noqa: BLE001 - the failure this test looks for
+            errors.append(e)
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=churn, args=(k,)) for k in (0, 5, 11, 17)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(before)
+    assert errors == []
+    held = sum(len(cache.get(k) or b"") for k in cache.keys())
+    assert cache.bytes == held <= cache.max_bytes
+
+
+def test_a_pickled_cache_has_its_own_lock_and_the_same_entries() -> None:
+    cache: ByteLRU[str, bytes] = ByteLRU(max_bytes=16, getsizeof=len)
+    cache.put("a", b"abc")
+    copy = pickle.loads(pickle.dumps(cache))
+    assert copy.keys() == ["a"] and copy.bytes == 3
+    copy.put("b", b"x" * 15)  # evicts "a" in the copy only
+    assert copy.keys() == ["b"] and cache.keys() == ["a"]
