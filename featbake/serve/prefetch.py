@@ -279,6 +279,19 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 # == prefetch ======================================================================================
+def tensor_bytes(item: Any) -> int:
+    """The bytes of the tensors in ``item`` (a nest as :func:`map_tensors` walks it); a label,
+    an id or any other value weighs nothing: what the device tier holds of an item.
+
+    Example:
+        >>> tensor_bytes((torch.zeros(4), 7, "id"))
+        16
+    """
+    sizes: list[int] = []
+    map_tensors(lambda t: sizes.append(t.nbytes), item)
+    return sum(sizes)
+
+
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     """Apply ``fn`` to every tensor in a nest of tuples, lists and dicts.
 
@@ -626,7 +639,7 @@ class DevicePrefetcher:
             # What each index serves, not the index: a mixture draws other items there each
             # epoch, and the tier must never hand out an earlier epoch's.
             self._identity = identity_of(getattr(loader, "dataset", None))
-            self._items = ByteLRU(budget)
+            self._items = ByteLRU(budget, getsizeof=tensor_bytes)
         self._batches = 0
         self._tensors = 0  # moved by the device tier (the staging counts its own)
 

@@ -475,6 +475,34 @@ def test_device_cache_over_a_mixture_serves_each_epochs_draw(
     assert info is not None and info.hits > 0  # items drawn again came from the tier
 
 
+def test_device_cache_serves_items_with_labels(tmp_path: Path, encoder_file: Path) -> None:
+    """Items served with labels (``StackDataset(ds, labels)``, the README's way) hold an int:
+    the tier sized each item by every leaf's ``nbytes`` and refused the first batch
+    (``TypeError: cannot size a int``). It weighs an item's tensors; every epoch's batches are
+    the encoder run now with their labels, the second from the tier."""
+    from torch.utils.data import StackDataset
+
+    from featbake.serve.dataset import CachedFeatureDataset
+    from featbake.testing import write_audio_folder
+    from tests.helpers import Live, bake
+
+    write_audio_folder(tmp_path / "a", 5, seconds=(0.3, 0.8), seed=3)
+    bake(tmp_path / "a", encoder_file, tmp_path / "store")
+    ds = CachedFeatureDataset(tmp_path / "a", encoder_file, cache=tmp_path / "store")
+    labels = [10 + i for i in range(len(ds))]
+    loader = DataLoader(StackDataset(ds, labels), batch_size=2, collate_fn=pad_collate)
+    pf = DevicePrefetcher(loader, device="cpu", device_cache="64MiB")
+    live = Live()
+    for _ in range(2):
+        served = [(p, n, lab) for padded, lengths, got in pf for p, n, lab in zip(
+            padded, lengths, got.tolist(), strict=True)]  # fmt: skip
+        assert [lab for _, _, lab in served] == labels
+        for i, (row, n, _) in enumerate(served):
+            torch.testing.assert_close(row[:n], live(encoder_file, Path(ds.path(i))))
+    info = pf.stats().device_cache
+    assert info is not None and info.hits == len(ds) and info.bytes > 0
+
+
 def test_device_cache_refuses_datasets_whose_items_it_cannot_tell_apart(
     tmp_path: Path, encoder_file: Path, audio_dir: Path
 ) -> None:
