@@ -708,7 +708,10 @@ class DevicePrefetcher:
                 fetched = getitems(wanted) if getitems else [dataset[i] for i in wanted]
                 with dev.stream_context(self._stage.stream):
                     moved = [map_tensors(self._to_device, item) for item in fetched]
-                dev.wait_stream(self._device, self._stage.stream)
+                # Used on the current stream from now on (record_stream): an evicted item's
+                # memory is not reused by the side stream's next copy while kernels queued on
+                # the current stream still read it.
+                moved = self._stage.hand_out(moved)
                 for j, item in zip(missing, moved, strict=True):
                     items[j] = item
                     self._items.put(keys[j], item)
