@@ -1398,9 +1398,12 @@ class FeatureLoader:
         An iterator a script left open is closed in the interpreter's teardown, after its
         modules' names are gone (``queue`` is None there): what this needs is bound here, and
         there the daemon reader ends with the process, unwaited. Before, the teardown printed
-        ``Exception ignored in: <generator object FeatureLoader._handed>`` and a traceback."""
+        ``Exception ignored in: <generator object FeatureLoader._handed>`` and a traceback.
+        The cyclic collector closes an iterator left in a reference cycle on whichever thread
+        allocates, often the reader itself: told to stop, it ends at its next batch, unwaited
+        (joining itself raised ``RuntimeError: cannot join current thread``)."""
         run.stop.set()
-        if finalizing():
+        if finalizing() or threading.current_thread() is reader:
             return
         try:
             while True:

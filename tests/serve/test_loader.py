@@ -489,6 +489,28 @@ def test_an_iterator_left_open_at_exit_ends_quietly(
         assert (proc.returncode, proc.stdout.strip(), proc.stderr.strip()) == (0, "stepped", "")
 
 
+def test_an_iterator_closed_on_its_own_reader_thread_stops_it_without_joining_itself() -> None:
+    """The cyclic collector closes an iterator left in a reference cycle (a trainer keeping
+    its loader and iterator) on whichever thread allocates, often the loader's reader: the
+    close joined the current thread (``Exception ignored ... RuntimeError: cannot join current
+    thread``). On the reader it now only tells the reader to stop."""
+    import queue
+
+    run = loader_module._ThreadRun(batches=[], ready=queue.Queue())
+    raised: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            FeatureLoader._reader_stopped(run, threading.current_thread())
+        except BaseException as e:  # noqa: BLE001 - what the close raised on this thread
+            raised.append(e)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    thread.join()
+    assert raised == [] and run.stop.is_set()
+
+
 def test_rank_and_world_come_from_torch_distributed(
     baked: CachedFeatureDataset, tmp_path: Path
 ) -> None:
