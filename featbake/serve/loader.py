@@ -1267,6 +1267,20 @@ class FeatureLoader:
         set_epoch_of(self.dataset, self.epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        return self._epoch_through(self._staging, STAGED_AHEAD)
+
+    def staged_through(self, staging: Staging, depth: int) -> Iterator[Any] | None:
+        """The next epoch's batches copied to the device through ``staging``, ``depth``
+        batches ahead, each counted as handed out when the loop takes it: what a
+        ``DevicePrefetcher`` wrapping this loader reads (before, the batches it started ahead
+        counted as read, and a state saved in the loop skipped them). None for a loader that
+        moves its batches itself (``device=``): the prefetcher reads it as any loader."""
+        if self._staging is not None:
+            return None
+        return self._epoch_through(staging, depth)
+
+    def _epoch_through(self, staging: Staging | None, depth: int) -> Iterator[Any]:
+        """The next epoch's batches, through ``staging`` (``depth`` ahead) when given."""
         epoch = self.epoch
         self.epoch += 1
         set_epoch_of(self.dataset, epoch)  # a mixture draws the epoch read
@@ -1275,8 +1289,8 @@ class FeatureLoader:
         plan = self._order.block_plan(epoch, batches[skip:], self._shards, inputs)
         follow_blocks(self.dataset, plan)
         read = self._epoch(batches, skip)
-        if self._staging is not None:
-            read = self._staging.ahead(read, STAGED_AHEAD)
+        if staging is not None:
+            read = staging.ahead(read, depth)
         return self._handed(read)
 
     @property

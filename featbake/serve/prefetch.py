@@ -422,16 +422,22 @@ class Staging:
     def ahead(self, batches: Iterable[Any], depth: int) -> Iterator[Any]:
         """``batches`` on the device, each one's copies started ``depth`` batches before it is
         handed out (the next copy is queued before a batch is handed out, so that it overlaps
-        the step). Closing this iterator closes ``batches``'s."""
+        the step). An error reading a batch ahead is raised in that batch's turn, after the
+        batches before it (the loop does not stop steps early, nor a resume count them as
+        read). Closing this iterator closes ``batches``'s."""
         it = iter(batches)
         started: deque[Any] = deque()
+        failed: list[Exception] = []  # the error reading a batch ahead, raised in its turn
 
         def fill() -> None:
-            while len(started) < depth:
-                batch = next(it, _DONE)
-                if batch is _DONE:
-                    return
-                started.append(self.start(batch))
+            try:
+                while not failed and len(started) < depth:
+                    batch = next(it, _DONE)
+                    if batch is _DONE:
+                        return
+                    started.append(self.start(batch))
+            except Exception as e:
+                failed.append(e)
 
         try:
             fill()
@@ -439,6 +445,8 @@ class Staging:
                 batch = self.hand_out(started.popleft())
                 fill()  # the next copy queued before this batch is handed out
                 yield batch
+            if failed:
+                raise failed[0]
         finally:
             close = getattr(it, "close", None)
             if close is not None:
@@ -588,7 +596,10 @@ class DevicePrefetcher:
     the wrapped iterable's batches are yielded unchanged.
 
     Each ``iter()`` starts a new pass (epoch) over the wrapped iterable. Not
-    thread-safe; iterate from one thread.
+    thread-safe; iterate from one thread. A :class:`~featbake.FeatureLoader` wrapped counts
+    only the batches handed to the loop, so its ``state_dict()`` saved in the loop resumes
+    exactly; another loader's state (torchdata's ``StatefulDataLoader``) counts the ``depth``
+    batches started ahead as read too.
 
     Args:
         loader: Any iterable of batches, typically a ``DataLoader``.
@@ -673,7 +684,11 @@ class DevicePrefetcher:
         )
 
     def _iter_prefetch(self) -> Iterator[Any]:
-        for batch in self._stage.ahead(self._loader, self._depth):
+        # A loader that counts the batches it hands out (FeatureLoader) stages them inside its
+        # count: the ones started ahead are not taken for read by a state saved in the loop.
+        staged = getattr(self._loader, "staged_through", None)
+        ahead = staged(self._stage, self._depth) if staged else None
+        for batch in ahead or self._stage.ahead(self._loader, self._depth):
             self._batches += 1
             yield batch
 

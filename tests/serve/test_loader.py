@@ -502,7 +502,7 @@ def test_an_iterator_closed_on_its_own_reader_thread_stops_it_without_joining_it
     def reader() -> None:
         try:
             FeatureLoader._reader_stopped(run, threading.current_thread())
-        except BaseException as e:  # noqa: BLE001 - what the close raised on this thread
+        except BaseException as e:
             raised.append(e)
 
     thread = threading.Thread(target=reader)

@@ -187,6 +187,58 @@ def test_staging_stops_cleanly_when_consumer_breaks() -> None:
     assert seen == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_an_error_reading_ahead_comes_after_the_batches_before_it() -> None:
+    """Staged, batch 2's error was raised as batch 0 was handed out (the copy of the next
+    batches is queued first): a run with one bad item stopped two steps early. The loop gets
+    batches 0 and 1, then the error, as without staging."""
+
+    def gen() -> Iterator[torch.Tensor]:
+        yield torch.zeros(1)
+        yield torch.ones(1)
+        raise ValueError("batch 2 is unreadable")
+
+    pf = DevicePrefetcher(gen(), device="cpu", depth=2, staging=True)
+    seen: list[float] = []
+    with pytest.raises(ValueError, match="batch 2 is unreadable"):
+        for b in pf:
+            seen.append(b.item())
+    assert seen == [0.0, 1.0]
+
+
+def test_a_feature_loaders_state_saved_under_a_prefetcher_resumes_exactly(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """``DevicePrefetcher(FeatureLoader(...))`` started ``depth`` batches ahead of the loop,
+    and the loader counted them as handed out: a state saved after 2 batches said 4, and the
+    two runs served 3 of 5 batches. The loader now counts only those the loop took; the two
+    runs serve each batch once, equal to the encoder run now."""
+    from featbake import FeatureLoader
+    from featbake.serve.dataset import CachedFeatureDataset
+    from featbake.testing import write_audio_folder
+    from tests.helpers import Live, bake
+
+    write_audio_folder(tmp_path / "a", 10, seconds=(0.3, 0.8), seed=2)
+    bake(tmp_path / "a", encoder_file, tmp_path / "store")
+    ds = CachedFeatureDataset(tmp_path / "a", encoder_file, cache=tmp_path / "store")
+
+    def loader() -> FeatureLoader:
+        return FeatureLoader(ds, batch_size=2, shuffle=False)
+
+    first = loader()
+    it = iter(DevicePrefetcher(first, device="cpu", depth=2, staging=True))
+    served = [next(it) for _ in range(2)]
+    state = first.state_dict()
+    it.close()
+    again = loader()
+    again.load_state_dict(state)
+    served += list(DevicePrefetcher(again, device="cpu", depth=2, staging=True))
+    rows = [(p, n) for padded, lengths in served for p, n in zip(padded, lengths, strict=True)]
+    assert len(rows) == len(ds)
+    live = Live()
+    for i, (row, n) in enumerate(rows):
+        torch.testing.assert_close(row[:n], live(encoder_file, Path(ds.path(i))))
+
+
 # --- PinnedPool ----------------------------------------------------------------------------
 
 
