@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from featbake.bake.arguments import BuildArguments, check_build_arguments, check_encoder_found
-from featbake.bake.batching import BatchRunner, budget_samples
+from featbake.bake.batching import Batching, BatchingMode, BatchRunner, budget_samples
 from featbake.bake.derive import StoredSource, derivation_plan, stored_sources
 from featbake.bake.engine_wire import ENGINE_PROTOCOL, CarriedError, check_protocol
 from featbake.bake.interrupt import interrupt_at_safe_points
@@ -99,7 +99,14 @@ from featbake.store.hash_cache import FileStat, HashCache, HashCacheRow, HashEnt
 from featbake.store.layout import Layout
 from featbake.store.merge import MergeReport, adopt_sealed_parts
 from featbake.store.open import Need, StoreRef, open_store, place_of
-from featbake.store.roots import RootSpec, write_undecodable
+from featbake.store.roots import (
+    PaddingRecord,
+    RootSpec,
+    clear_padding,
+    read_padding,
+    write_padding,
+    write_undecodable,
+)
 from featbake.store.shard import DEFAULT_SHARD_BYTES
 
 # == parts =========================================================================================
@@ -719,6 +726,12 @@ class _Bake:
     #: writers' commits when it looked (see :meth:`fail_lost_reuse`).
     reused_keys: set[str] = field(default_factory=set)
     reused_at: int | None = None
+    #: An unfinished build's record of what it set out to encode while it may pad (see
+    #: :class:`~featbake.store.roots.PaddingRecord`), and the keys of it found stored (key ->
+    #: path): encoded again alone once padding is known inexact. Read by the build's driver.
+    padding: PaddingRecord = field(default_factory=PaddingRecord)
+    suspects: dict[str, str] = field(default_factory=dict)
+    records_padding: bool = False  # this process wrote the root's padding record
 
     @property
     def runner(self) -> BatchRunner:
@@ -928,6 +941,7 @@ class _Bake:
         known = self.stored_still()
         self.reused_at = self.catalog.others_commits()
         present = known & set(todo) | self.catalog.present_keys([k for k in todo if k not in known])
+        present = self.padded_before(present, todo)
         self.report.reused = len(present)
         self.reused_keys = present
         work = [(k, p) for k, p in todo.items() if k not in present]
@@ -938,12 +952,68 @@ class _Bake:
         to_encode = [(k, p) for k, p in work if k not in plan]
         self.held.keep_only({p for _, p in to_encode})  # others are stored or derived
         if not work:
+            clear_padding(self.layout, self.report.root)
             return self.progress(Progress("encode", 0, 0)) if self.progress else None
+        self.record_padding([k for k, _ in to_encode])
         try:
             self.encode(to_encode, plan, dict(work))
         except ConfigError:  # a wrong option (--output): its manifest names keys never stored
             self.catalog.drop_root(self.report.root)
             raise
+        clear_padding(self.layout, self.report.root)  # every padded item checked or redone
+
+    def padded_before(self, present: set[str], todo: dict[str, str]) -> set[str]:
+        """``present`` less what an unfinished build of this root stored after padding was
+        found inexact (those are encoded again, as work); what it stored before that is kept
+        in :attr:`suspects`, encoded again alone if a padding check fails now (see
+        :class:`~featbake.store.roots.PaddingRecord`)."""
+        self.padding = read_padding(self.layout, self.report.root)
+        suspects = self.padding.suspects(present)
+        if self.padding.inexact:
+            self.forget_stored(sorted(suspects))
+            return present - suspects
+        self.suspects = {k: todo[k] for k in sorted(suspects)}
+        return present
+
+    def forget_stored(self, keys: list[str]) -> None:
+        """Drop the rows of ``keys``, to be encoded again, wherever they would win over the
+        new ones: in the catalog this build writes through, and in a directory store's own
+        catalog where this build writes fragments (an engine's driver, a rank): a merge keeps
+        a key's catalog row over a fragment's, and a stopped build's rows are there (written
+        in place, or adopted from its fragments). A bucket's published version is not written
+        here (see docs/reliability.md r21.8)."""
+        self.catalog.forget_keys(keys)
+        if keys and self.catalog.fragmented and not place_of(self.layout).builds_in_fragments():
+            with contextlib.closing(Catalog(self.layout)) as catalog:
+                catalog.forget_keys(keys)
+
+    def record_padding(self, keys: list[str]) -> None:
+        """Record ``keys`` as set out to encode, before any is sealed, where batches may be
+        padded (an engine's workers decide per task: recorded whenever padding is allowed)."""
+        if self.elsewhere is None and self.runner.mode is not BatchingMode.PADDED:
+            return
+        if self.elsewhere is not None and self.runs.batching == Batching.EXACT.value:
+            return
+        write_padding(self.layout, self.report.root, self.padding.with_keys(keys))
+        self.records_padding = True
+
+    def padding_failed(self) -> None:
+        """A padding check failed: the record says so before anything is encoded again (a
+        rerun then encodes again what this build stored, whichever step it is killed in)."""
+        if self.records_padding and not self.padding.inexact:
+            self.padding = dataclasses.replace(self.padding, inexact=True)
+            write_padding(self.layout, self.report.root, self.padding)
+
+    def padded_again(self, padded: list[PaddedItem], inexact: bool) -> list[PaddedItem]:
+        """What to encode again alone: ``padded`` (stored from this run's padded batches) and
+        the :attr:`suspects` an unfinished build before it stored, once padding is known
+        inexact (``inexact``: a check failed now; or the record says one failed before)."""
+        if not (inexact or self.padding.inexact):
+            return []
+        mine = {it.key for it in padded}
+        stats = self.hashed_stats
+        before = [PaddedItem(k, p, stats.get(p)) for k, p in self.suspects.items() if k not in mine]
+        return padded + before
 
     def encode(
         self, work: list[tuple[str, str]], plan: Mapping[str, StoredSource], paths: dict[str, str]
@@ -973,8 +1043,11 @@ class _Bake:
                 self.report.bytes_written = writer.bytes_written
                 self.report.shards_written = writer.shards
                 self.report.batching, self.report.batching_note = runner.mode, runner.note
-        if runner.inexact and run.padded:  # padding failed a later check: redo the rest
-            self.encode_padded_again(run.padded)
+        if runner.inexact:
+            self.padding_failed()
+        again = self.padded_again(run.padded, runner.inexact)
+        if again:  # padding failed a later check: redo the rest
+            self.encode_padded_again(again)
         self.padded_left = [] if runner.inexact else [it.key for it in run.padded]
         run.tick()  # the last word: every byte sealed, none pending
         self.compactor.record(self.report, self.catalog, self.options.max_error)
@@ -1000,39 +1073,59 @@ class _Bake:
             self.report.shards_written = writer.shards
         if not work:
             return
-        stats = self.hashed_stats
-        carried = carried_values(self.place, [p for _, p in work])
-        items = [
-            WorkItem(k, p, self.item_name(p), stats.get(p), c)
-            for (k, p), c in zip(work, carried, strict=True)
-        ]
+        items = self.work_items(work)
         job = self.job(elsewhere)
         done = elsewhere.engine.encode(job, items, self.progress)
-        if done.padding_failed and done.padded:
-            self.encode_padded_elsewhere(elsewhere, job, items, done)
+        if done.padding_failed:
+            self.padding_failed()
+        redo = self.padded_elsewhere(items, done)
+        if redo:
+            self.encode_padded_elsewhere(elsewhere, job, redo, done)
         done.add_to(self.report)
         mine, theirs = self.compactor.measured, done.measured
         if theirs is not None:  # pooled with what converting stored features measured here
             self.compactor.measured = theirs if mine is None else mine.merged(theirs)
         self.compactor.record(self.report, self.catalog, self.options.max_error)
 
+    def padded_elsewhere(self, items: list[WorkItem], done: PartResult) -> list[WorkItem]:
+        """What the engine's workers encode again alone once padding is known inexact (a
+        worker's check failed, or the record says one failed before): ``items`` other tasks
+        stored from padded batches (``done.padded``) and the :attr:`suspects` an unfinished
+        build before this one stored."""
+        if not (done.padding_failed or self.padding.inexact):
+            return []
+        again = set(done.padded) | set(self.suspects)
+        given = {it.key for it in items}
+        before = [(k, p) for k, p in self.suspects.items() if k not in given]
+        return [it for it in items if it.key in again] + self.work_items(before)
+
+    def work_items(self, work: Sequence[tuple[str, str]]) -> list[WorkItem]:
+        """``work`` (key, path) as an engine's workers take it."""
+        stats = self.hashed_stats
+        carried = carried_values(self.place, [p for _, p in work])
+        return [
+            WorkItem(k, p, self.item_name(p), stats.get(p), c)
+            for (k, p), c in zip(work, carried, strict=True)
+        ]
+
     def encode_padded_elsewhere(
         self, elsewhere: Elsewhere, job: EngineJob, items: list[WorkItem], done: PartResult
     ) -> None:
-        """A worker's padding check failed: padding is inexact for this encoder, and what
-        other tasks (and workers) stored from padded batches before is encoded again alone,
-        on exact shapes, by the engine's workers (their fragments are newer: their rows win at
-        the merge, as a plain build's encoded again do). Counted in ``done``."""
-        again = set(done.padded)
+        """Padding is inexact for this encoder (a worker's check failed, now or in an
+        unfinished build before): ``items``, stored from padded batches by other tasks and
+        workers or by that build, are encoded again alone, on exact shapes, by the engine's
+        workers (their fragments are newer: their rows win at the merge, as a plain build's
+        encoded again do). Counted in ``done``."""
+        self.forget_stored([it.key for it in items])
         exact = dataclasses.replace(job, runs=job.runs._replace(batching="exact"), redo=True)
-        redone = elsewhere.engine.encode(exact, [it for it in items if it.key in again], None)
+        redone = elsewhere.engine.encode(exact, items, None)
         redone.raise_error()
         done.bytes_written += redone.bytes_written
         done.shards_written += redone.shards_written
         done.failed += redone.failed
         done.causes += redone.causes
         done.batching_note += (
-            f"; a padding check failed on a worker: the {len(again)} items other tasks had "
+            f"; a padding check failed on a worker: the {len(items)} items other tasks had "
             "padded before were encoded again alone"
         )
 
@@ -1102,6 +1195,7 @@ class _Bake:
 
     def encode_padded_again(self, items: list[PaddedItem]) -> None:
         """Store ``items`` encoded alone in place of their padded features."""
+        self.forget_stored([it.key for it in items])
         writer, opts = self.writer(), self.options
         redone = encode_padded_again(
             items, self.catalog, self.runner, self.compactor, writer, self.source,

@@ -12,6 +12,7 @@ roots/<name>.items        items appended since, one [path, key] JSON array per l
 roots/<name>.dropped      left by a drop while it runs; gc finishes a drop a crash cut short
 roots/<name>.undecodable  the inputs the last build could not decode (key -> reason)
 roots/<name>.fidelity     what an int8/fp8 build measured (featbake.store.fidelity)
+roots/<name>.padding      what a build that may pad set out to encode, until its end
 ```
 """
 
@@ -21,7 +22,7 @@ import contextlib
 import functools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -438,6 +439,88 @@ def restore_records(layout: Layout, records: dict[str, str]) -> None:
 
 def _write_utf8(text: str, path: Path) -> None:
     path.write_text(text, encoding="utf-8")
+
+
+# A build that may pad its batches: ``roots/<name>.padding``, from before it encodes to its end.
+#
+# The exactness guard checks the most padded item of each padded batch; a later batch can fail
+# it after earlier batches' items were sealed, and the build then encodes those again alone
+# (bake/pipeline.py). Which items those are was known only to the process that padded them: a
+# build killed before that later batch left them stored, and its rerun reused them as they were
+# (served off by the padding's drift) while its own check failed. So a build that may pad
+# records the keys it sets out to encode before it encodes any, and whether a check failed; its
+# rerun takes the keys it finds stored among them as padded (encoded again alone once a check
+# fails, as the first run would have), and a build's end removes the record. Each key is
+# recorded by its first :data:`PADDING_MARK` hex digits: one taken for another only costs an
+# item encoded again. Not carried with a bucket's published state: a rerun on another node
+# reads none (docs/reliability.md r21.8).
+PADDING_MARK = 16
+
+
+@dataclass(frozen=True)
+class PaddingRecord:
+    """The keys an unfinished build of a root set out to encode while its batches may be
+    padded (each by its first :data:`PADDING_MARK` hex digits), and whether one of its
+    padding checks failed (padding is then known inexact for the encoder).
+
+    Example:
+        >>> record = PaddingRecord().with_keys(["ab" * 32])
+        >>> sorted(record.suspects(["ab" * 32, "cd" * 32])) == ["ab" * 32]
+        True
+    """
+
+    marks: frozenset[str] = frozenset()
+    inexact: bool = False
+
+    def with_keys(self, keys: Iterable[str]) -> PaddingRecord:
+        """This record with ``keys`` added."""
+        return PaddingRecord(self.marks | {k[:PADDING_MARK] for k in keys}, self.inexact)
+
+    def suspects(self, keys: Iterable[str]) -> set[str]:
+        """Those of ``keys`` the record names: stored, maybe from padded batches."""
+        return {k for k in keys if k[:PADDING_MARK] in self.marks}
+
+
+def padding_file(layout: Layout, name: str) -> Path:
+    """``roots/<name>.padding`` (see :class:`PaddingRecord`)."""
+    return roots_dir(layout) / f"{checked_root_name(name)}.padding"
+
+
+def read_padding(layout: Layout, name: str) -> PaddingRecord:
+    """Root ``name``'s padding record; an empty one when there is none (or it cannot be read:
+    the build before it then left nothing known, as before the record)."""
+    try:
+        doc = json.loads(padding_file(layout, name).read_text(encoding="utf-8"))
+        marks, inexact = doc["marks"], doc["inexact"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return PaddingRecord()
+    if not isinstance(marks, list):
+        return PaddingRecord()
+    return PaddingRecord(frozenset(str(m) for m in marks), inexact is True)
+
+
+def write_padding(layout: Layout, name: str, record: PaddingRecord) -> None:
+    """Record ``record`` for root ``name`` (tmp, rename, durable: written before any feature
+    it names is sealed).
+
+    Raises:
+        StoreError: the store is not writable.
+    """
+    final = padding_file(layout, name)
+    doc = json.dumps({"inexact": record.inexact, "marks": sorted(record.marks)})
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        publish_file(final, functools.partial(_write_utf8, doc), tmp_dir=layout.tmp)
+    except OSError as e:
+        raise StoreError(
+            f"could not record what this build encodes in {final}: {e.strerror or e}; check "
+            "that the cache directory is writable"
+        ) from e
+
+
+def clear_padding(layout: Layout, name: str) -> None:
+    """Remove root ``name``'s padding record: its build came to its end."""
+    unlink_quietly(padding_file(layout, name))
 
 
 def unlink_quietly(path: Path) -> None:

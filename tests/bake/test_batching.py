@@ -49,6 +49,7 @@ from featbake.encode.loaders import load_encoder
 from featbake.encode.outputs import encode_batch, encode_padded
 from featbake.encode.sources import source_for
 from featbake.errors import ConfigError, EncodeError
+from featbake.progress import Progress
 from featbake.quantize import Scheme, dequantize, quantize
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
@@ -857,6 +858,53 @@ def test_items_sealed_before_the_guard_failed_are_encoded_again_alone(tmp_path: 
     assert_store_consistent(store)
     again = build(data, module, cache=store, workers=0, batch_size=3)
     assert (again.encoded, again.reused) == (0, 12)
+
+
+def interrupted_after_padded_batches(data: Path, encoder: Path, store: Path) -> None:
+    """A padded build of ``data`` stopped (Ctrl-C) once three batches of three passed the
+    padding check and were sealed, before the late batch that fails it."""
+
+    def stop(p: Progress) -> None:
+        if p.phase == "encode" and p.done >= 9:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build(data, encoder, cache=store, workers=0, batch_size=3, batching="padded",
+              progress=stop)  # fmt: skip
+
+
+def test_a_rerun_encodes_again_alone_what_a_stopped_build_stored_padded(tmp_path: Path) -> None:
+    """Which items came from padded batches was known only to the run that padded them: a
+    build stopped (killed, Ctrl-C) before its late batch failed the padding check left 9 items
+    stored padded, and its rerun, whose own check failed, reused them as they were (3 of 12
+    served off by 0.5). The record the stopped build left has the rerun encode them again
+    alone, as an uninterrupted build does, and the build's end removes the record."""
+    data, module = clips(tmp_path / "clips"), LittlePaddingLeaks()
+    encoder, store = save_torchscript(module, tmp_path / "leaky.pt"), tmp_path / "store"
+    interrupted_after_padded_batches(data, encoder, store)
+    assert list((store / "roots").glob("*.padding"))  # what the stopped build set out to do
+    again = build(data, encoder, cache=store, workers=0, batch_size=3, batching="padded")
+    assert again.ok and again.reused == 9, again
+    assert "the 9 items padded before were encoded again alone" in again.batching_note
+    assert_serves_alone(data, module, encoder, cache=store)
+    assert not list((store / "roots").glob("*.padding"))
+    assert_store_consistent(store)
+
+
+def test_a_rerun_after_a_padding_check_failed_encodes_again_what_was_stored_padded(
+    tmp_path: Path,
+) -> None:
+    """Stopped after its check failed and before it encoded the padded items again, a build
+    left them stored padded; its rerun encoded nothing and ran no check. The record says the
+    check failed: the rerun encodes them again, alone."""
+    data, module = clips(tmp_path / "clips"), LittlePaddingLeaks()
+    encoder, store = save_torchscript(module, tmp_path / "leaky.pt"), tmp_path / "store"
+    interrupted_after_padded_batches(data, encoder, store)
+    (record,) = (store / "roots").glob("*.padding")
+    doc = json.loads(record.read_text())
+    record.write_text(json.dumps({**doc, "inexact": True}))  # as written before the redo
+    build(data, encoder, cache=store, workers=0, batch_size=3, batching="exact")
+    assert_serves_alone(data, module, encoder, cache=store)
 
 
 def test_padding_that_stays_exact_encodes_nothing_again(tmp_path: Path) -> None:

@@ -37,7 +37,11 @@ from featbake.testing import (
     save_torchscript,
     write_audio_folder,
 )
-from tests.bake.test_batching import LittlePaddingLeaks, assert_serves_alone
+from tests.bake.test_batching import (
+    LittlePaddingLeaks,
+    assert_serves_alone,
+    interrupted_after_padded_batches,
+)
 from tests.bake.test_batching import clips as padding_clips
 from tests.conftest import REPO, invoke, live_features, run_cli
 from tests.helpers import assert_store_consistent, printed, stored_features, wait_past_racy
@@ -288,6 +292,22 @@ def test_a_padding_check_failing_in_a_later_task_has_every_padded_item_encoded_a
                    engine=RayEngine(workers=1, rows_per_task=3))  # fmt: skip
     assert "encoded again alone" in report.batching_note, report.batching_note
     assert_serves_alone(data, module, encoder, cache=tmp_path / "store")
+
+
+def test_a_ray_rerun_encodes_again_alone_what_a_stopped_build_stored_padded(
+    ray_cluster: dict[str, str], tmp_path: Path
+) -> None:
+    """A build stopped before its late batch failed the padding check left 9 items stored
+    padded; a rerun on Ray, whose worker's check failed, had only what its own tasks padded
+    encoded again. The driver reads the stopped build's record and has those 9 encoded again
+    alone by the workers too."""
+    data, module = padding_clips(tmp_path / "clips"), LittlePaddingLeaks()
+    encoder, store = save_torchscript(module, tmp_path / "leaky.pt"), tmp_path / "store"
+    interrupted_after_padded_batches(data, encoder, store)
+    report = build(data, encoder, cache=store, batch_size=3, batching="padded",
+                   engine=RayEngine(workers=1, rows_per_task=3))  # fmt: skip
+    assert report.reused == 9 and "encoded again alone" in report.batching_note, report
+    assert_serves_alone(data, module, encoder, cache=store)
 
 
 def test_cli_ray_build_starts_its_own_ray_while_it_hashes(
