@@ -179,10 +179,20 @@ DEFAULT_MAX_TOKENS = 512
 
 
 def is_text_folder(folder: str | os.PathLike[str]) -> bool:
-    """A model folder with a tokenizer and no preprocessor (audio and vision folders have one)."""
+    """A model folder with a tokenizer and no preprocessor (audio and vision folders have one).
+
+    A preprocessor is found where transformers reads it (:func:`processor_settings`): a whole
+    processor saved by transformers 5 (``CLIPProcessor``, ``Wav2Vec2Processor``) writes its
+    image or audio part into :data:`PROCESSOR_FILE` beside the tokenizer, with no
+    :data:`PREPROCESSOR_FILE`; looking for the latter alone took such a CLIP folder for a text
+    model and refused its images.
+
+    Raises:
+        EncoderLoadError: a processor settings file exists but is not a JSON object.
+    """
     path = Path(folder)
     has_tokenizer = any((path / n).is_file() for n in ("tokenizer_config.json", "tokenizer.json"))
-    return has_tokenizer and not (path / PREPROCESSOR_FILE).is_file()
+    return has_tokenizer and processor_settings(path, IMAGE_PARTS + AUDIO_PARTS) is None
 
 
 def tokenizer_files_digest(folder: str | os.PathLike[str], tokenizer_class: str) -> str:

@@ -836,9 +836,15 @@ def test_a_whole_clip_or_siglip_folder_serves_its_vision_tower_and_image_embeds(
     report = build(vision_images, folder, cache=tmp_path / "s", workers=0, batch_size=3)
     assert report.ok and report.encoded == 4
     ds = CachedFeatureDataset(vision_images, folder, cache=tmp_path / "s", on_miss="error")
+    width = 16 if kind == "clip" else 32  # CLIP projects to projection_dim; SigLIP does not
+    served_tower_equals_transformers(ds, folder, width)
+
+
+def served_tower_equals_transformers(ds: CachedFeatureDataset, folder: Path, width: int) -> None:
+    """Each image ``ds`` serves equals the whole model's vision tower and image embeddings, run
+    now by transformers with the folder's own image processor."""
     model = transformers.AutoModel.from_pretrained(folder).eval()
     proc = transformers.AutoImageProcessor.from_pretrained(folder)
-    width = 16 if kind == "clip" else 32  # CLIP projects to projection_dim; SigLIP does not
     for i in range(len(ds)):
         image = decode_image(Path(ds.path(i)), ds.recipe.image_steps)
         pixels = proc(images=image, return_tensors="pt")["pixel_values"]
@@ -851,6 +857,62 @@ def test_a_whole_clip_or_siglip_folder_serves_its_vision_tower_and_image_embeds(
         assert rel_error(parts["pooled"], tower.pooler_output[0]) < 1e-5, ds.path(i)
         assert parts["image_embeds"].shape == (width,)
         assert rel_error(parts["image_embeds"], embeds) < 1e-5, ds.path(i)
+
+
+def save_whole_processor(folder: Path, whole: Any) -> Path:
+    """``folder`` as transformers 5 saves a whole processor (``whole``, its tokenizer with it):
+    the processor's parts in ``processor_config.json`` beside the tokenizer's files, and no
+    ``preprocessor_config.json``."""
+    (folder / "preprocessor_config.json").unlink()
+    whole.save_pretrained(folder)
+    if (folder / "preprocessor_config.json").exists():
+        pytest.skip("this transformers saves a processor's parts in preprocessor_config.json")
+    assert (folder / "processor_config.json").is_file() and (folder / "tokenizer_config.json")
+    return folder
+
+
+def test_a_whole_clip_saved_with_its_processor_and_tokenizer_serves_its_images(
+    tmp_path: Path, vision_images: Path
+) -> None:
+    """``CLIPProcessor.save_pretrained`` (transformers 5) writes the image processor into
+    ``processor_config.json`` beside the tokenizer's files, and no ``preprocessor_config.json``.
+    featbake looked for the latter alone and took the folder for a text model: an image build
+    was refused ("is a text model"), and a default build looked for .txt files. Now the
+    folder is a vision folder, and what it serves equals transformers run now."""
+    from tests.encode.test_text import clip_tokenizer
+
+    folder = save_whole_model(tmp_path / "clip", "clip")
+    image_processor = transformers.AutoImageProcessor.from_pretrained(folder)
+    tokenizer = clip_tokenizer()
+    save_whole_processor(folder, transformers.CLIPProcessor(image_processor, tokenizer))
+    for source in ("image", "audio"):  # asked for, and the default
+        report = build(
+            vision_images, folder, cache=tmp_path / source, workers=0, recipe=Recipe(source=source)
+        )
+        assert report.ok and report.encoded == 4, source
+        ds = CachedFeatureDataset(vision_images, folder, cache=tmp_path / source, on_miss="error")
+        assert ds.recipe.source == "image"
+        served_tower_equals_transformers(ds, folder, width=16)
+
+
+def test_an_audio_model_saved_with_its_processor_and_tokenizer_serves_its_clips(
+    tmp_path: Path, clips: Path
+) -> None:
+    """The same for ``Wav2Vec2Processor.save_pretrained``: its feature extractor in
+    ``processor_config.json`` beside a CTC tokenizer. The folder was taken for a text model
+    (the build looked for .txt files); now its clips are served as transformers gives them."""
+    folder = save_model(tmp_path / "w2v")
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text(json.dumps({"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "|": 4, "a": 5}))
+    extractor = transformers.Wav2Vec2FeatureExtractor.from_pretrained(folder)
+    tokenizer = transformers.Wav2Vec2CTCTokenizer(str(vocab))
+    save_whole_processor(folder, transformers.Wav2Vec2Processor(extractor, tokenizer))
+    report = build(clips, folder, cache=tmp_path / "s", workers=0, batch_size=4)
+    assert report.ok and report.encoded == 8
+    ds = CachedFeatureDataset(clips, folder, cache=tmp_path / "s", on_miss="error")
+    for i in range(len(ds)):
+        want = reference(folder, Path(ds.path(i))).last_hidden_state[0]
+        assert rel_error(ds[i], want) < 1e-4, ds.path(i)
 
 
 def test_image_embeds_alone_and_layers_from_a_whole_clip_folder(
