@@ -160,6 +160,9 @@ def image_steps_for(encoder: object, source: str, changes: dict[str, Any]) -> Im
     return ImageRecipe(**changes)
 
 
+#: The files any tokenizer may be read from in a folder (transformers' ``from_pretrained`` looks
+#: for them whatever the class); a class's own vocabulary files come on top
+#: (:func:`tokenizer_file_names`).
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -195,11 +198,25 @@ def is_text_folder(folder: str | os.PathLike[str]) -> bool:
     return has_tokenizer and processor_settings(path, IMAGE_PARTS + AUDIO_PARTS) is None
 
 
-def tokenizer_files_digest(folder: str | os.PathLike[str], tokenizer_class: str) -> str:
-    """SHA-256 over the tokenizer's class and each of its files present (name and bytes)."""
+def tokenizer_file_names(tokenizer: Any) -> list[str]:
+    """The files ``tokenizer``'s class is read from in a folder, as transformers resolves them:
+    :data:`TOKENIZER_FILES` and the class's ``vocab_files_names`` (BERTweet's ``bpe.codes``,
+    DeBERTa's ``spm.model``, ProphetNet's ``prophetnet.tokenizer``). The fixed list alone left
+    such a file out of the key: edited, it kept the key, and the store served the old tokens'
+    features. Other files of the folder (a README, the weights) are not read by the tokenizer,
+    so editing them does not re-key its texts."""
+    own = getattr(tokenizer, "vocab_files_names", None) or {}
+    names = {n for n in own.values() if isinstance(n, str) and n == Path(n).name}
+    return sorted(names.union(TOKENIZER_FILES))
+
+
+def tokenizer_digest(folder: str | os.PathLike[str], tokenizer: Any) -> str:
+    """SHA-256 over ``tokenizer``'s class and each of its files present in ``folder`` (name and
+    bytes; :func:`tokenizer_file_names`)."""
     path = Path(folder)
-    files = {n: sha256_file(path / n) for n in TOKENIZER_FILES if (path / n).is_file()}
-    return sha256_hex(canonical_json({"class": tokenizer_class, "files": files}))
+    names = tokenizer_file_names(tokenizer)
+    files = {n: sha256_file(path / n) for n in names if (path / n).is_file()}
+    return sha256_hex(canonical_json({"class": type(tokenizer).__name__, "files": files}))
 
 
 def load_tokenizer(folder: str | os.PathLike[str]) -> Any:
@@ -254,7 +271,7 @@ def text_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> Te
     limits.append(int(tower_config(read_config(path)).get("max_position_embeddings", 0) or 0))
     known = [n for n in limits if 0 < n < 1_000_000]  # transformers' "no limit" is 1e30
     steps = TextRecipe(
-        tokenizer=tokenizer_files_digest(path, type(tokenizer).__name__),
+        tokenizer=tokenizer_digest(path, tokenizer),
         max_length=min(known) if known else DEFAULT_MAX_TOKENS,
         folder=str(path),
     )

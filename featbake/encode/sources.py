@@ -445,10 +445,10 @@ def load_text_tokenizer(steps: TextRecipe) -> Any:
         ConfigError: the tokenizer's files changed since the recipe was made.
         EncoderLoadError: transformers cannot read the tokenizer.
     """
-    from featbake.encode.hf_folders import load_tokenizer, tokenizer_files_digest
+    from featbake.encode.hf_folders import load_tokenizer, tokenizer_digest
 
     tokenizer = load_tokenizer(steps.folder)
-    if tokenizer_files_digest(steps.folder, type(tokenizer).__name__) != steps.tokenizer:
+    if tokenizer_digest(steps.folder, tokenizer) != steps.tokenizer:
         raise ConfigError(
             f"the tokenizer in {steps.folder} changed since this build's recipe was made; "
             "rerun the build"

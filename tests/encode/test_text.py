@@ -135,6 +135,32 @@ def save_t5(folder: Path) -> Path:
     return folder
 
 
+#: BERTweet's byte-pair merges of the words in :data:`BERTWEET_TEXT` (fastBPE's ``a b count``).
+BERTWEET_MERGES = ["t h", "th e</w>", "c a", "ca t</w>", "d o", "do g</w>"]
+BERTWEET_TEXT = "the cat the dog"
+
+
+def save_bertweet(folder: Path, *, normalization: bool = False) -> Path:
+    """A RoBERTa with BERTweet's tokenizer, whose files are ``vocab.txt`` and ``bpe.codes``
+    (neither ``tokenizer.json`` nor ``merges.txt``): letters, end-of-word letters, a few words."""
+    folder.mkdir(parents=True)
+    letters = list("abcdefghijklmnopqrstuvwxyz.:_")
+    pieces = [c + "@@" for c in letters] + letters + ["th@@", "the", "ca@@", "cat", "do@@", "dog"]
+    (folder / "vocab.txt").write_text("".join(f"{p} 1\n" for p in pieces))
+    (folder / "bpe.codes").write_text("".join(f"{m} 1\n" for m in BERTWEET_MERGES))
+    tokenizer = transformers.BertweetTokenizer(
+        str(folder / "vocab.txt"), str(folder / "bpe.codes"), normalization=normalization
+    )
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(3)
+    config = transformers.RobertaConfig(
+        vocab_size=len(tokenizer) + 2, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=130, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    transformers.RobertaModel(config).eval().save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TextModel]:
     root = tmp_path_factory.mktemp("text-models")
@@ -168,8 +194,8 @@ def transformers_outputs(model: TextModel, text: str, **options: Any) -> Referen
     enc = tokenizer(text, truncation=True, max_length=model.max_length, return_tensors="pt")
     enc = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask")}
     with torch.inference_mode():
-        if model.kind == "bert":
-            out = transformers.BertModel.from_pretrained(str(model.folder)).eval()(**enc)
+        if model.kind in ("bert", "roberta"):
+            out = transformers.AutoModel.from_pretrained(str(model.folder)).eval()(**enc)
             parts = {"tokens": out.last_hidden_state[0], "pooled": out.pooler_output[0]}
         elif model.kind == "clip":
             net = transformers.CLIPTextModelWithProjection.from_pretrained(str(model.folder))
@@ -359,6 +385,37 @@ def test_a_tokenizer_changed_after_the_recipe_is_refused(
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "do_lower_case": False}))
     with pytest.raises(ConfigError, match="changed since"):
         TextSource(recipe)
+
+
+def test_a_tokenizer_file_of_its_own_class_is_in_the_key(tmp_path: Path) -> None:
+    """BERTweet's merges are in ``bpe.codes``, a file outside the list every tokenizer may
+    read, so it was not in the key: edited after a build, the store kept serving the old
+    merges' features (14 tokens where the tokenizer now gives 10) under the same keys. Now
+    the class's own files are keyed: the store misses, and what is encoded is transformers'
+    tokenizer and model run now. A README beside the model is not the tokenizer's and does
+    not re-key."""
+    from featbake.errors import CacheMiss
+
+    folder = save_bertweet(tmp_path / "bertweet")
+    bertweet = TextModel(folder, "roberta", 128)
+    data = tmp_path / "texts"
+    data.mkdir()
+    (data / "a.txt").write_text(BERTWEET_TEXT)
+    before = text_recipe_fp(folder)
+    (folder / "README.md").write_text("a tiny BERTweet\n")
+    assert text_recipe_fp(folder) == before
+    build(data, folder, cache=tmp_path / "store", workers=0)
+    built = transformers_outputs(bertweet, BERTWEET_TEXT).ids
+    (folder / "bpe.codes").write_text("".join(f"{m} 1\n" for m in BERTWEET_MERGES[2:]))
+    assert len(transformers_outputs(bertweet, BERTWEET_TEXT).ids) < len(built)  # fewer merges
+    stale = CachedFeatureDataset(
+        data, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
+    )
+    with pytest.raises(CacheMiss):
+        stale[0]
+    with pytest.warns(UserWarning):  # the store holds another tokenizer's features: said so
+        ds = CachedFeatureDataset(data, encoder=folder, cache=tmp_path / "store", source="text")
+    assert_served_equal(ds, bertweet)
 
 
 # == bad texts =====================================================================================
