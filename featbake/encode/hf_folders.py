@@ -210,13 +210,39 @@ def tokenizer_file_names(tokenizer: Any) -> list[str]:
     return sorted(names.union(TOKENIZER_FILES))
 
 
+#: The libraries whose code tokenises with any Hugging Face tokenizer: transformers' classes
+#: and tokenizers' fast backend (which most of them run).
+TOKENIZER_LIBRARIES = ("transformers", "tokenizers")
+
+
+def tokenizer_libraries(tokenizer: Any) -> dict[str, str]:
+    """The libraries whose code makes ``tokenizer``'s ids, each with its version
+    (:func:`featbake.encode.identity.library_versions`): :data:`TOKENIZER_LIBRARIES` and those
+    its class's module imports (BERTweet's ``emoji``, BioGPT's ``sacremoses``), "absent" where
+    one cannot be imported. BERTweet turns emoji into words only when ``emoji`` is importable,
+    and a key without it served a store built without ``emoji`` where it was installed.
+
+    This is the rule an import-path encoder's libraries are keyed by, with its price: an
+    upgrade of transformers or tokenizers (or installing an optional library a tokenizer
+    uses) re-keys the texts, and they are encoded again, as features of other code may be.
+    """
+    # transformers imported torch when the tokenizer was loaded: identity's import costs nothing
+    from featbake.encode.identity import imported_libraries, library_versions
+
+    return library_versions({*TOKENIZER_LIBRARIES, *imported_libraries(type(tokenizer))})
+
+
 def tokenizer_digest(folder: str | os.PathLike[str], tokenizer: Any) -> str:
-    """SHA-256 over ``tokenizer``'s class and each of its files present in ``folder`` (name and
-    bytes; :func:`tokenizer_file_names`)."""
+    """SHA-256 over ``tokenizer``'s class, each of its files present in ``folder`` (name and
+    bytes; :func:`tokenizer_file_names`) and the libraries it runs
+    (:func:`tokenizer_libraries`)."""
     path = Path(folder)
     names = tokenizer_file_names(tokenizer)
     files = {n: sha256_file(path / n) for n in names if (path / n).is_file()}
-    return sha256_hex(canonical_json({"class": type(tokenizer).__name__, "files": files}))
+    libraries = tokenizer_libraries(tokenizer)
+    return sha256_hex(
+        canonical_json({"class": type(tokenizer).__name__, "files": files, "libs": libraries})
+    )
 
 
 def load_tokenizer(folder: str | os.PathLike[str]) -> Any:

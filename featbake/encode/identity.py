@@ -30,7 +30,7 @@ import types
 import uuid
 import weakref
 import zipfile
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any
@@ -2225,11 +2225,46 @@ class CodeClosure:
         return _submodule_file(where, name.split(".")[1:])
 
     def _library(self, top: str) -> None:
-        if top in self.libraries:
-            return
-        dists = _distributions().get(top, [])
-        versions = sorted(f"{d}=={importlib.metadata.version(d)}" for d in set(dists))
-        self.libraries[top] = ",".join(versions) or "unknown"
+        if top not in self.libraries:
+            self.libraries[top] = installed_version(top)
+
+
+def installed_version(top: str) -> str:
+    """How a key counts the installed library imported as ``top``: each distribution that
+    provides it with its version (``transformers==5.24.0``), or "unknown" when none names it."""
+    dists = _distributions().get(top, [])
+    versions = sorted(f"{d}=={importlib.metadata.version(d)}" for d in set(dists))
+    return ",".join(versions) or "unknown"
+
+
+def library_versions(names: Iterable[str]) -> dict[str, str]:
+    """Each library in ``names`` (top-level import names) as a key counts it: its
+    :func:`installed_version`, or "absent" when it cannot be imported here (an optional
+    library a module uses only when it is there); the standard library and
+    :data:`UNVERSIONED` are left out, as in a :class:`CodeClosure`."""
+    found: dict[str, str] = {}
+    for top in sorted(set(names)):
+        if top in UNVERSIONED or top in sys.stdlib_module_names or top in sys.builtin_module_names:
+            continue
+        try:
+            spec = importlib.util.find_spec(top)  # a top-level name: finds, never imports
+        except (ImportError, ValueError):
+            spec = None
+        found[top] = "absent" if spec is None else installed_version(top)
+    return found
+
+
+def imported_libraries(cls: type) -> set[str]:
+    """The top-level names that the source of ``cls``'s module imports (anywhere in it: an
+    optional library is imported inside a ``try``), read from the file, never run; none
+    when the module has no source file."""
+    module = sys.modules.get(cls.__module__)
+    where = getattr(module, "__file__", None)
+    if not where or not where.endswith(".py"):
+        return set()
+    path = Path(where)
+    package = cls.__module__ if path.name == "__init__.py" else cls.__module__.rpartition(".")[0]
+    return {name.partition(".")[0] for name in imported_names(path, package)}
 
 
 @functools.cache

@@ -8,12 +8,15 @@ model run now, with no featbake code between them.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import pickle
 import re
 import shutil
 import signal
+import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -22,11 +25,12 @@ import torch
 
 from featbake.bake.pipeline import build
 from featbake.encode.hf import HFTextEncoder, recipe_for_encoder
+from featbake.encode.hf_folders import tokenizer_libraries
 from featbake.encode.loaders import load_encoder
 from featbake.encode.outputs import encode_batch, encode_padded
 from featbake.encode.sources import TextSource
 from featbake.encode.texts import TextRows
-from featbake.errors import ConfigError, SourceError
+from featbake.errors import CacheMiss, ConfigError, SourceError
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from tests.conftest import invoke
@@ -394,8 +398,6 @@ def test_a_tokenizer_file_of_its_own_class_is_in_the_key(tmp_path: Path) -> None
     the class's own files are keyed: the store misses, and what is encoded is transformers'
     tokenizer and model run now. A README beside the model is not the tokenizer's and does
     not re-key."""
-    from featbake.errors import CacheMiss
-
     folder = save_bertweet(tmp_path / "bertweet")
     bertweet = TextModel(folder, "roberta", 128)
     data = tmp_path / "texts"
@@ -408,6 +410,47 @@ def test_a_tokenizer_file_of_its_own_class_is_in_the_key(tmp_path: Path) -> None
     built = transformers_outputs(bertweet, BERTWEET_TEXT).ids
     (folder / "bpe.codes").write_text("".join(f"{m} 1\n" for m in BERTWEET_MERGES[2:]))
     assert len(transformers_outputs(bertweet, BERTWEET_TEXT).ids) < len(built)  # fewer merges
+    stale = CachedFeatureDataset(
+        data, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
+    )
+    with pytest.raises(CacheMiss):
+        stale[0]
+    with pytest.warns(UserWarning):  # the store holds another tokenizer's features: said so
+        ds = CachedFeatureDataset(data, encoder=folder, cache=tmp_path / "store", source="text")
+    assert_served_equal(ds, bertweet)
+
+
+def test_an_optional_library_a_tokenizer_runs_is_in_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BERTweet's tokenizer spells an emoji out (``demojize``) only where the ``emoji`` package
+    is importable. The key named the tokenizer's class and files, not the code that runs them:
+    a store built where ``emoji`` was missing served its features where it is installed,
+    though the tokenizer now gives other ids. Now the libraries a tokenizer's module imports
+    are keyed with their versions ("absent" where missing, as here at first): the store
+    misses, and what is encoded is transformers run now, ``emoji`` and all."""
+    if importlib.util.find_spec("emoji") is not None:
+        pytest.skip("emoji is installed here; the test installs its own")
+    text = "cat \U0001f600"
+    folder = save_bertweet(tmp_path / "bertweet", normalization=True)
+    bertweet = TextModel(folder, "roberta", 128)
+    data = tmp_path / "texts"
+    data.mkdir()
+    (data / "a.txt").write_text(text)
+    build(data, folder, cache=tmp_path / "store", workers=0)
+    built = transformers_outputs(bertweet, text).ids
+    runs = tokenizer_libraries(transformers.AutoTokenizer.from_pretrained(folder))
+    assert runs["transformers"] == f"transformers=={transformers.__version__}"
+    assert runs["emoji"] == "absent" and runs["tokenizers"].startswith("tokenizers==")
+    lib = tmp_path / "lib" / "emoji"
+    lib.mkdir(parents=True)
+    (lib / "__init__.py").write_text(
+        "def demojize(text, **options):\n"
+        "    return text.replace('\\U0001f600', ':grinning_face:')\n"
+    )
+    monkeypatch.syspath_prepend(lib.parent)
+    monkeypatch.setitem(sys.modules, "emoji", importlib.import_module("emoji"))  # undone after
+    assert len(transformers_outputs(bertweet, text).ids) > len(built)  # spelled out now
     stale = CachedFeatureDataset(
         data, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
     )
@@ -705,8 +748,6 @@ def test_a_text_miss_advises_the_column_and_text_options_and_they_build_it(
     """The miss advice named neither --column nor the tokenizer options: the command it gave
     built other keys (or refused the manifest), and the dataset kept missing."""
     import shlex
-
-    from featbake.errors import CacheMiss
 
     bert = models["bert"]
     store = tmp_path / "store"
