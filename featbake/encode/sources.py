@@ -439,10 +439,11 @@ def text_steps(recipe: Recipe) -> TextRecipe:
 
 def load_text_tokenizer(steps: TextRecipe) -> Any:
     """The tokenizer ``steps`` names, checked against its digest (files changed since the recipe
-    was made would tokenise under the old files' key).
+    was made, or a library it runs installed, removed or upgraded, would tokenise under the old
+    key).
 
     Raises:
-        ConfigError: the tokenizer's files changed since the recipe was made.
+        ConfigError: the tokenizer's files or libraries changed since the recipe was made.
         EncoderLoadError: transformers cannot read the tokenizer.
     """
     from featbake.encode.hf_folders import load_tokenizer, tokenizer_digest
@@ -450,8 +451,8 @@ def load_text_tokenizer(steps: TextRecipe) -> Any:
     tokenizer = load_tokenizer(steps.folder)
     if tokenizer_digest(steps.folder, tokenizer) != steps.tokenizer:
         raise ConfigError(
-            f"the tokenizer in {steps.folder} changed since this build's recipe was made; "
-            "rerun the build"
+            f"the tokenizer in {steps.folder} (its files, or a library it runs) changed since "
+            "this build's recipe was made; rerun the build"
         )
     return tokenizer
 
