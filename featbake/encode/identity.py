@@ -135,7 +135,7 @@ def attribute_row(
     (:func:`~featbake.serve.cached_encoder.structure_read`), so both key alike."""
     if _primitive(value):
         return [name, key, repr(value)]
-    if reads_held and held_attribute(key, value, derived):
+    if (reads_held or model_config(value)) and held_attribute(key, value, derived):
         text = held_attribute_text(sub, value, exact=True)
         return None if text is None else [name, key, text]
     return None
@@ -147,6 +147,45 @@ def reads_held_attributes(module: Any) -> bool:
     held values are library functions and configs read by their own code, and a torch
     upgrade must not change every key (as :func:`code_identity` leaves torch out)."""
     return not is_library_code(type(module))
+
+
+#: transformers' config base class, by module and name (``PretrainedConfig`` before 5.0).
+_CONFIG_CLASSES = {
+    ("transformers.configuration_utils", "PreTrainedConfig"),
+    ("transformers.configuration_utils", "PretrainedConfig"),
+}
+
+
+def model_config(value: Any) -> bool:
+    """Whether ``value`` is a transformers model config (found without importing
+    transformers). A library module's held values are not keyed (:func:`reads_held_attributes`)
+    but its config is: a transformers model's forward reads ``self.config`` (``config.
+    output_hidden_states = True`` makes it return the hidden states), and a
+    :class:`~featbake.serve.cached_encoder.CachedEncoder` kept serving the outputs of the
+    config it was wrapped with. Read by :func:`config_text`, by the key and the watch alike."""
+    return any((c.__module__, c.__name__) in _CONFIG_CLASSES for c in type(value).__mro__)
+
+
+def config_text(config: Any, *, exact: bool) -> str:
+    """A transformers config as a key reads it (``exact``): the digest of its settings as
+    saved (``to_dict``), without ``_name_or_path`` (where it was loaded from is no setting).
+    Else as a watch reads it at each forward, ten times faster (``to_dict`` copies the whole
+    config): its attributes as they are, which change whenever its settings do (a difference
+    sends the watch to the exact read)."""
+    if not exact:
+        try:
+            return f"config~{json.dumps(vars(config), default=_config_part)}"
+        except (TypeError, ValueError):  # a key json cannot write, or a cycle
+            pass
+    settings = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return f"config({hashlib.sha256(text.encode()).hexdigest()})"
+
+
+def _config_part(value: Any) -> Any:
+    """A config's value json cannot write, as a watch reads it: a nested config (CLIP's
+    ``vision_config``) by its attributes, anything else by its repr."""
+    return vars(value) if model_config(value) else repr(value)
 
 
 def held_attribute(key: str, value: Any, derived: frozenset[str]) -> bool:
@@ -187,6 +226,8 @@ def held_attribute_text(module: Any, value: Any, *, exact: bool) -> str | None:
         >>> held_attribute_text(torch.nn.Identity(), rounding, exact=True)
         'held:partial(builtin(round,),ndigits=2)'
     """
+    if model_config(value):
+        return f"held:{config_text(value, exact=exact)}"
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             return None  # an array of objects: its bytes are addresses

@@ -59,6 +59,7 @@ from featbake.encode.identity import (
     held_values,
     is_plain,
     keyed_attribute,
+    model_config,
     module_identity,
     reads_held_attributes,
 )
@@ -329,16 +330,18 @@ def _held_attributes(
     sub: nn.Module, attrs: Mapping[str, Any], public: Iterable[str]
 ) -> tuple[str, ...]:
     """The public attributes of ``sub`` its key reads as held values (a class of the user's:
-    :func:`~featbake.encode.identity.reads_held_attributes`), derived state and values no key
-    reads (:func:`~featbake.encode.identity.held_attribute_text` None: a tokenizer too large
-    to key, an object known by its address) left out: a glance reads the rest at every
-    forward."""
-    if not reads_held_attributes(sub):
+    :func:`~featbake.encode.identity.reads_held_attributes`; any class's transformers config:
+    :func:`~featbake.encode.identity.model_config`), derived state and values no key reads
+    (:func:`~featbake.encode.identity.held_attribute_text` None: a tokenizer too large to key,
+    an object known by its address) left out: a glance reads the rest at every forward."""
+    reads_held = reads_held_attributes(sub)
+    keys = [k for k in public if reads_held or model_config(attrs[k])]
+    if not keys:
         return ()
     derived = module_derived(sub)
     return tuple(
         k
-        for k in public
+        for k in keys
         if held_attribute(k, attrs[k], derived)
         and held_attribute_text(sub, attrs[k], exact=False) is not None
     )

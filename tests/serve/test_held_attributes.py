@@ -219,3 +219,38 @@ def test_a_library_modules_held_values_keep_the_key_they_had() -> None:
     before = attribute_identity(mine)
     mine.act = torch.nn.functional.gelu
     assert attribute_identity(mine) != before
+
+
+def test_a_transformers_models_config_changed_under_a_cached_encoder_is_not_served_stale(
+    tmp_path: Path,
+) -> None:
+    """A transformers model's forward reads ``self.config`` (``return_dict``,
+    ``output_hidden_states``), a library class's held value, which was neither keyed nor
+    watched: set after the wrapper's first calls, it kept serving the old output (a dict where
+    the model now returns a tuple), and a new wrapper over the changed model hit the old
+    rows too. Now the config is keyed by its settings and watched at each call; set back,
+    the first rows are hits again (where the model was loaded from is no setting)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        image_size=32, patch_size=8,
+    )  # fmt: skip
+    vit = frozen(transformers.ViTModel(config))
+    x, ids = torch.randn(2, 3, 32, 32), ["a", "b"]
+    cached = CachedEncoder(vit, cache=tmp_path / "c", ram_cache=0)
+    for _ in range(3):  # past the exact reads of its first calls
+        cached(x, ids=ids)
+    vit.config.return_dict = False
+    with torch.inference_mode():
+        now = vit(x)
+    assert isinstance(now, tuple)
+    torch.testing.assert_close(cached(x, ids=ids), now)
+    fresh = CachedEncoder(vit, cache=tmp_path / "c", ram_cache=0)
+    torch.testing.assert_close(fresh(x, ids=ids), now)
+    vit.config.return_dict = True
+    vit.config._name_or_path = str(tmp_path / "elsewhere")
+    back = CachedEncoder(vit, cache=tmp_path / "c", ram_cache=0)
+    with torch.inference_mode():
+        torch.testing.assert_close(dict(back(x, ids=ids)), dict(vit(x)))
+    assert back.cache_info()["encoded"] == 0
