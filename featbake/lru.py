@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
+from featbake.process import ProcessLocal, ProcessLocalState
+
 __all__ = ["ByteLRU", "CacheInfo", "nbytes_of"]
 
 K = TypeVar("K")
@@ -87,7 +89,7 @@ class CacheInfo:
         return self.hits / lookups if lookups else 0.0
 
 
-class ByteLRU(Generic[K, V]):
+class ByteLRU(ProcessLocalState, Generic[K, V]):
     """An LRU cache whose stored values never exceed ``max_bytes`` in total.
 
     ``get`` and ``put`` are O(1) (``put`` amortised over the evictions it causes).
@@ -118,6 +120,10 @@ class ByteLRU(Generic[K, V]):
         32
     """
 
+    # One per process (the one pickling rule): a pickled copy, or a child forked while another
+    # thread held it, makes its own.
+    _lock: ProcessLocal[threading.Lock] = ProcessLocal(lambda _: threading.Lock())
+
     def __init__(self, max_bytes: int, getsizeof: Callable[[V], int] = nbytes_of) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
@@ -130,19 +136,6 @@ class ByteLRU(Generic[K, V]):
         self._misses = 0
         self._evictions = 0
         self._rejected = 0
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled (a DataLoader worker's copy) without the lock, which a copy makes anew."""
-        with self._lock:
-            state = dict(self.__dict__)
-        del state["_lock"]
-        state["_data"] = OrderedDict(state["_data"])
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     @property
     def max_bytes(self) -> int:
