@@ -901,3 +901,49 @@ def test_a_damaged_row_is_refused_with_dequantize_false_on_every_path(
         r"scale that is not finite\); run `featbake verify --repair`"
     )
     _refused_on_every_path(ds, dataset, want, bad, damaged, compiled)
+
+
+class FrameScore(nn.Module):
+    """TinyConvEncoder's frames averaged: one value a frame, so each item is ``[T]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = TinyConvEncoder()
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return self.enc(wav).mean(-1)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("ram_cache", [0, "64MiB"])
+def test_one_dimensional_items_are_batched_as_each_is_served(
+    tmp_path: Path, audio_dir: Path, store_dir: Path, dtype: str, ram_cache: object
+) -> None:
+    """A ``[T]`` item is stored as one packed row ``[T + 4]``: every batch path serves each item
+    as ``ds[i]`` does (the encoder now, quantised, dequantised), never the padded packed rows
+    dequantised with a scale read from the padding; ``pad_collate`` refuses the raw items."""
+    scheme = Scheme(dtype)
+    encoder = save_torchscript(FrameScore(), tmp_path / "frames.pt")
+    _built(audio_dir, encoder, store_dir, dtype)
+    ds = CachedFeatureDataset(
+        audio_dir, encoder, cache=store_dir, dtype=dtype, on_miss="error", ram_cache=ram_cache
+    )
+    packed = _want(encoder, ds, scheme)
+    want = [dequantize(p, scheme, torch.float16) for p in packed]
+    assert want[0].dim() == 1 and len({len(w) for w in want}) > 1
+    idx = [3, 0, 7, 12]
+    for _ in range(2):  # planned, then located (or the RAM tier)
+        batch = ds.__getitems__(idx)
+        assert [len(b) for b in batch] == [len(want[i]) for i in idx]
+        assert all(torch.equal(b, want[i]) for b, i in zip(batch, idx, strict=True))
+    for b, (padded, lengths) in enumerate(FeatureLoader(ds, batch_size=6, shuffle=False)):
+        for j, n in enumerate(lengths.tolist()):
+            assert n == len(want[b * 6 + j]) and torch.equal(padded[j, :n], want[b * 6 + j])
+            assert not padded[j, n:].any()
+    raw = CachedFeatureDataset(
+        audio_dir, encoder, cache=store_dir, dtype=dtype, on_miss="error", dequantize=False
+    )
+    items = raw.__getitems__(idx)
+    assert all(torch.equal(t, packed[i]) for t, i in zip(items, idx, strict=True))
+    with pytest.raises(ConfigError, match=r"one-dimensional .* serve it dequantised"):
+        pad_collate(items)

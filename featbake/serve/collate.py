@@ -35,6 +35,10 @@ __all__ = ["BatchPool", "PaddedBatch", "pad_collate"]
 
 Padded = tuple[torch.Tensor, torch.Tensor]
 
+#: The dtypes of an int8/fp8 store's packed tensors (``Scheme.packed_dtype``): a one-dimensional
+#: item of one is a single packed row, codes then scale, which cannot be padded.
+_PACKED_DTYPES = (torch.int8, torch.uint8)
+
 
 class PaddedBatch(list):
     """A batch's items that already lie, padded with zeros, in one ``[B, T_max, D...]`` tensor.
@@ -280,6 +284,12 @@ def _pad_tensors(
     elem = batch[0]
     if not isinstance(elem, torch.Tensor) or elem.dim() == 0:
         raise ConfigError(f"pad_collate: item 0{where} must be a tensor of shape [T, D...]")
+    if elem.dim() == 1 and elem.dtype in _PACKED_DTYPES:
+        raise ConfigError(
+            f"pad_collate: item 0{where} is a one-dimensional {elem.dtype} tensor, as an int8/fp8 "
+            "store serves a [T] item with dequantize=False (its one row scale in its last 4 "
+            "bytes, which padding would move): serve it dequantised (the default)"
+        )
     trailing = elem.shape[1:]
     dtype = elem.dtype
     expected = "[" + ", ".join(["T", *map(str, trailing)]) + "]"

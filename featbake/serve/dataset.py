@@ -354,7 +354,9 @@ class CachedFeatureDataset(ProcessLocalState, Dataset):
             batches alike; a view the store cannot give is a ConfigError at every read (from
             the constructor when stored items already tell).
         serve_dtype, dequantize: int8/fp8 items are served in ``serve_dtype`` (float16, float32
-            where the build found float16 cannot hold them) or packed with ``dequantize=False``.
+            where the build found float16 cannot hold them) or packed with ``dequantize=False``
+            (items of one dimension, ``[T]``, are then one packed row each, which
+            :func:`pad_collate` refuses to pad: serve those dequantised to batch them).
         column: a manifest's column naming each item's input (default ``path``), as
             ``featbake build --column``.
 

@@ -80,7 +80,10 @@ from featbake.store.shard import (
 #   0, so a padded raw batch dequantises to zeros past each length (leave ``pad_value`` at 0).
 #   Its scales are still checked (one strided read of the scale column): a row whose scale is
 #   not finite (a damaged shard's) is refused as on the dequantising paths, naming the shard,
-#   never handed on to dequantise into NaN or inf on the GPU.
+#   never handed on to dequantise into NaN or inf on the GPU. An item of one dimension (an
+#   encoder's ``[T]``) is one packed row ``[T + 4]``, its scale last: padding it would move the
+#   scale, so its batches are lists of the items as ``ds[i]`` serves them, and ``pad_collate``
+#   refuses them (serve such a store dequantised to batch it).
 #
 # No ``inf`` is served from finite features, and no cast rounds coarser than the codes: each item
 # and batch is checked against the dtype it is served in (:meth:`ScaleSpan.holds`, a look at one
@@ -870,6 +873,8 @@ class Reads:
         if first is None or not first.shape:
             return None
         dtype, trailing = first.dtype, first.shape[1:]
+        if packed_vectors(served, dtype, trailing):
+            return None
         got: list[Located] = []
         for i in idx:
             if self.checks(st, i):  # this read checks it: the general path does
@@ -915,9 +920,6 @@ class Reads:
         dequantised as it is read, straight into the served batch. With the RAM tier on, which
         keeps packed rows, the packed batch is read and then dequantised.
         """
-        if served is not None and st.use_lru:
-            batch = self.padded(st, idx)
-            return None if batch is None else served.batch(batch, self.refusal(st, idx))
         if not st.use_lru and not st.check_always:
             batch = self.padded_located(st, idx, served)
             if batch is not None:
@@ -928,13 +930,23 @@ class Reads:
                 return None  # a miss: checked before any lookup so hits are counted once
         elif (shard[idx] < 0).any():
             return None
+        after = served is not None and st.use_lru  # the RAM tier's rows: read packed, then served
         with Leases() as held:  # every shard read stays open until the batch is read
-            plan = self._plan(st, idx, held)
-            return self._fill(st, idx, plan, held, served) if plan is not None else None
+            plan = self._plan(st, idx, held, served)
+            if plan is None:
+                return None
+            batch = self._fill(st, idx, plan, held, None if after else served)
+        if after and batch is not None:
+            assert served is not None
+            return served.batch(batch, self.refusal(st, idx))
+        return batch
 
-    def _plan(self, st: ProcessState, idx: list[int], held: Leases) -> _Plan | None:
-        """Each row's source, if all rows share trailing shape and dtype; else None. The
-        shards opened are leased into ``held``."""
+    def _plan(
+        self, st: ProcessState, idx: list[int], held: Leases, served: Served | None = None
+    ) -> _Plan | None:
+        """Each row's source, if all rows share trailing shape and dtype (and are not packed
+        rows of one dimension, see :func:`packed_vectors`); else None. The shards opened are
+        leased into ``held``."""
         out: list[_Source] = []
         want: tuple[tuple[int, ...], torch.dtype | None] | None = None
         for i in idx:
@@ -956,6 +968,8 @@ class Reads:
             if not shape or dtype is None:
                 return None
             if want is None:
+                if packed_vectors(served, dtype, shape[1:]):
+                    return None
                 want = (shape[1:], dtype)
             elif (shape[1:], dtype) != want:
                 return None
@@ -1044,6 +1058,14 @@ class Reads:
     def _span(self, r: _RowRead, packed: PackedRows | None = None) -> Span:
         key = self.index.key(r.i)
         return r.reader.span(key, r.dest, verify=r.check, tail=r.tail, packed=packed)
+
+
+def packed_vectors(served: Served | None, dtype: torch.dtype, trailing: tuple[int, ...]) -> bool:
+    """Whether stored rows (``dtype``, trailing shape ``trailing``) are packed items of one
+    dimension: ``[T + 4]``, one row of ``T`` codes and its scale. Padding such items along their
+    only dimension would move each scale into the batch's codes, so a batch of them takes the
+    general path: each item served on its own (dequantised, or as stored), as ``ds[i]`` is."""
+    return served is not None and not trailing and dtype == served.scheme.packed_dtype
 
 
 def served_rows(
