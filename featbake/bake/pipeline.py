@@ -42,7 +42,7 @@ from featbake.bake.ranks import (
     resolve_rank,
 )
 from featbake.bake.report import BuildReport, FailureCause
-from featbake.bake.stored import DEFAULT_MAX_ERROR, Compactor, nonfinite_part
+from featbake.bake.stored import DEFAULT_MAX_ERROR, Compactor
 from featbake.bake.threads import (
     DEFAULT_SEAL_SECONDS,
     HeldSource,
@@ -72,6 +72,7 @@ from featbake.encode.inputs import (
 )
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.manifests import Item
+from featbake.encode.outputs import nonfinite_part
 from featbake.encode.sources import ScanResult, Source, file_stat_or_none, source_for
 from featbake.encode.tables import CarriedCell, Table
 from featbake.encode.webdataset import WebDataset

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from featbake.encode.encoders import (
@@ -218,6 +219,62 @@ def split_outputs(result: Any, output: str | None) -> dict[str, torch.Tensor]:
             f"encoder output {bad[0]!r} is not a tensor; pick a tensor output with --output"
         )
     return named
+
+
+# -- finite ------------------------------------------------------------------------------------
+def nonfinite_part(parts: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first output part holding NaN or +-inf ("output" for a lone tensor)."""
+    for name, value in parts.items():
+        if has_nonfinite(value):
+            return f"output {name!r}" if name else "its output"
+    return None
+
+
+#: The exponent bits of the 16-bit floats: all set means inf or NaN.
+_EXPONENT_MASK = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
+
+
+def has_nonfinite(value: torch.Tensor) -> bool:
+    """Whether a tensor holds NaN or +-inf; checked once per stored item, so kept cheap.
+
+    On the CPU through numpy without a temporary bool tensor (~4x faster than
+    ``torch.isfinite(x).all()`` at [150, 768] fp32), and for 16-bit floats by their exponent
+    bits (numpy's float16 ``isfinite`` is slower than torch's, and it has no bfloat16).
+    """
+    if not value.is_floating_point():
+        return False
+    if value.device.type != "cpu":
+        return not bool(torch.isfinite(value).all())
+    mask = _EXPONENT_MASK.get(value.dtype)
+    if mask is not None:
+        bits = value.view(torch.int16).numpy()
+        return bool(np.any(np.bitwise_and(bits, mask) == mask))
+    return not bool(np.isfinite(value.numpy()).all())
+
+
+def refuse_nonfinite(
+    parts: Mapping[str, torch.Tensor], recipe: Recipe, item: str, anyway: str = ""
+) -> None:
+    """Refuse ``item``'s stored ``parts`` (:func:`stored_parts`) holding NaN or an infinity:
+    the encoder's own, or finite values past the stored dtype's range (float16 ends at 65504),
+    which the cast made infinite. For the paths that serve what they encode (a dataset's
+    misses, ``CachedEncoder``): such a row is never served, kept or written back, as a build
+    never stores it without ``--allow-nonfinite`` (``anyway`` says where that is).
+
+    Raises:
+        EncodeError: a part holds NaN or an infinity.
+    """
+    bad = nonfinite_part(dict(parts))
+    if bad is None:
+        return
+    narrow = recipe.dtype in ("float16", "bfloat16")
+    wider = (
+        " (or store float32, if its values are finite past that dtype's range)" if narrow else ""
+    )
+    raise EncodeError(
+        f"{item}: the encoder returned NaN or infinite values in {bad} (stored as "
+        f"{recipe.dtype}); not served or stored. Fix the encoder{wider}{anyway}"
+    )
 
 
 # -- storing -----------------------------------------------------------------------------------

@@ -63,7 +63,13 @@ from featbake.encode.identity import (
     module_identity,
     reads_held_attributes,
 )
-from featbake.encode.outputs import is_tuple_parts, join_outputs, name_outputs, stored_parts
+from featbake.encode.outputs import (
+    is_tuple_parts,
+    join_outputs,
+    name_outputs,
+    refuse_nonfinite,
+    stored_parts,
+)
 from featbake.errors import ConfigError, EncodeError
 from featbake.keys import (
     contained_tensors,
@@ -1374,6 +1380,11 @@ def stored_dtype(
     return recipe, served_for(recipe, serve_dtype, True)
 
 
+def _row_name(ids: Sequence[Any] | None, j: int) -> str:
+    """Row ``j`` of a call, as an error names it: by its id where the call gave ids."""
+    return f"the row with id {ids[j]!r}" if ids is not None else f"row {j} of the batch"
+
+
 def cached_encoder_root(encoder_fp: str, recipe_fp: str) -> str:
     """The name of the root that keeps a CachedEncoder's stored features live for gc."""
     return f"cached-encoder-{encoder_fp[:12]}-{recipe_fp[:8]}"
@@ -1579,6 +1590,7 @@ class CachedEncoder(ProcessLocalState, nn.Module):
                 row = {p: v[r] for p, v in parts.items()}
                 if self._recipe is not None:  # stored as a build stores it (packed for int8)
                     row = stored_parts(row, self._recipe)
+                    refuse_nonfinite(row, self._recipe, _row_name(ids, todo[r]))
                 rows[j] = row
                 self._remember(keys[j], row, enc_fp)
         if self._writeback is not None:

@@ -46,7 +46,7 @@ from featbake.encode.identity import (
 )
 from featbake.encode.inputs import DigestView
 from featbake.encode.loaders import is_import_path, load_encoder
-from featbake.encode.outputs import encode_batch, stored_parts
+from featbake.encode.outputs import encode_batch, refuse_nonfinite, stored_parts
 from featbake.encode.sources import CheckingSource, Source, load_unchanged
 from featbake.errors import CacheMiss, EncoderLoadError, FeatbakeError, SourceError
 from featbake.keys import feature_key, sha256_hex
@@ -75,6 +75,10 @@ CLI_OPTION = {
     "precision": "--precision",
     "layers": "--layers",
 }
+
+
+#: How a build stores what a miss refuses (:func:`refuse_nonfinite`), served as stored after.
+NONFINITE_BUILD = "; `featbake build --allow-nonfinite` stores them anyway"
 
 
 @dataclass(frozen=True)
@@ -883,7 +887,10 @@ class Misses:
         results = encode_inputs(st.encoder, inputs, self.recipe, own_rows=False)
         self.live.ran()
         st.encoded += len(idx)
-        return [stored_parts(parts, self.recipe) for parts in results]  # int8/fp8: packed
+        stored = [stored_parts(parts, self.recipe) for parts in results]  # int8/fp8: packed
+        for i, parts in zip(idx, stored, strict=True):  # never served nor written back
+            refuse_nonfinite(parts, self.recipe, self.index.path(i), NONFINITE_BUILD)
+        return stored
 
     def store(self, st: ProcessState, i: int, parts: Parts, owned: bool = False) -> None:
         """Write item ``i``'s encoded parts back (once per key while pending); ``owned``:

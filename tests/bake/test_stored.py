@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from featbake.bake.stored import has_nonfinite, nonfinite_part
+from featbake.encode.outputs import has_nonfinite, nonfinite_part
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 SPECIAL = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-45, 6e-8, 65504.0, 3e38, 1e300]

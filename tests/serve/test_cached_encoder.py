@@ -1011,3 +1011,41 @@ def test_a_conjugate_view_is_keyed_by_its_values_and_odd_output_keys_are_refused
 
     with pytest.raises(EncodeError, match=r"key 1 \(int\)"):
         CachedEncoder(NumberKeys().eval(), cache=tmp_path / "k")(torch.randn(2, 3))
+
+
+class _Off(nn.Module):
+    """TinyConvEncoder's output as NaN (``nan``) or times 1e6 (``huge``: finite, past float16's
+    65504)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.inner = TinyConvEncoder()
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)
+        return out * float("nan") if self.how == "nan" else out * 1e6
+
+
+@pytest.mark.parametrize(("how", "dtype"), [("huge", "float16"), ("nan", "float32")])
+def test_a_row_not_finite_as_stored_is_refused_never_returned_or_kept(
+    tmp_path: Path, how: str, dtype: str
+) -> None:
+    """A row whose stored form holds NaN or inf (float16's cast of values past its range too)
+    was returned and cached, in RAM and on disk, as a build never stores it. Now the call is
+    refused in one line naming the row and the dtype, and nothing is kept: the same call again
+    runs the encoder again, in this process and in a fresh one."""
+    from featbake.errors import EncodeError
+
+    enc = frozen(_Off(how))
+    x = dtype_waves(1)
+    want = rf"^the row with id 'u1': the encoder returned NaN .*\(stored as {dtype}\); not served"
+    for _ in range(2):
+        cached = CachedEncoder(enc, cache=tmp_path / "c", dtype=dtype)
+        for _ in range(2):
+            with pytest.raises(EncodeError, match=want):
+                cached(x, ids=["u1"])
+        assert cached.cache_info()["encoded"] == 2
+        cached.flush()
+    with pytest.raises(EncodeError, match=r"^row 0 of the batch: the encoder returned NaN"):
+        cached(x)

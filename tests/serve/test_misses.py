@@ -2316,3 +2316,57 @@ def test_a_listed_tensor_edited_in_place_after_the_dataset_was_made_is_refused(
     with pytest.raises(EncoderLoadError, match="no parameter or buffer") as e:
         ds[1]
     assert "\n" not in str(e.value)
+
+
+class _OffOnLong(TinyConvEncoder):
+    """TinyConvEncoder, except that inputs over 1 s come out as NaN (``nan``) or times 1e6
+    (``huge``: finite, past float16's 65504)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        out = super().forward(wav)
+        if wav.shape[1] <= 16000:
+            return out
+        return out * float("nan") if self.how == "nan" else out * 1e6
+
+
+@pytest.mark.parametrize(("how", "dtype"), [("huge", "float16"), ("nan", "float32")])
+def test_a_miss_not_finite_as_stored_is_refused_never_served_or_written_back(
+    tmp_path: Path, audio_dir: Path, how: str, dtype: str
+) -> None:
+    """A build refuses an item whose stored feature holds NaN or inf (float16's cast of values
+    past its range too); a dataset's miss served it and wrote it back (a later build then
+    reused it). Now the miss is refused in one line naming the item and the stored dtype, and
+    nothing of it is kept; the finite items are served as the encoder gives them now."""
+    from featbake.encode.sources import source_for
+    from featbake.errors import EncodeError
+    from featbake.recipe import Recipe
+
+    module = _OffOnLong(how).eval()
+    store = tmp_path / "store"
+    with pytest.warns(UserWarning, match="no featbake store"):
+        ds = CachedFeatureDataset(audio_dir, module, cache=store, dtype=dtype)
+    torch_dtype = getattr(torch, dtype)
+    refused = []
+    for i in range(len(ds)):
+        with torch.inference_mode():
+            live = module(source_for(Recipe()).load(Path(ds.path(i))).unsqueeze(0))[0]
+        if bool(torch.isfinite(live.to(torch_dtype)).all()):
+            assert torch.equal(ds[i], live.to(torch_dtype))
+            continue
+        refused.append(i)
+        with pytest.raises(EncodeError) as err:
+            ds[i]
+        text = str(err.value)
+        assert text.startswith(f"{ds.path(i)}: the encoder returned NaN or infinite values")
+        assert f"(stored as {dtype}); not served or stored" in text and "\n" not in text
+    assert 0 < len(refused) < len(ds)
+    ds.close()
+    again = CachedFeatureDataset(audio_dir, module, cache=store, dtype=dtype, on_miss="error")
+    assert again.stored() == len(ds) - len(refused)
+    for i in refused:
+        with pytest.raises(CacheMiss):
+            again[i]
