@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import os
 import time
 import warnings
@@ -267,13 +268,47 @@ def _autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
             set_jit_autocast(jit_before)
 
 
+def finite_max(x: torch.Tensor) -> float:
+    """The largest magnitude among ``x``'s finite values (0.0 for none): the scale an error is
+    measured against, which a NaN or an infinity elsewhere in ``x`` leaves as it is."""
+    a = x.detach().double().abs()
+    finite = a[torch.isfinite(a)] if not bool(torch.isfinite(a).all()) else a
+    return float(finite.max()) if finite.numel() else 0.0
+
+
+def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max|got - want|`` in float64 over the positions both hold finite values; a position
+    NaN in both, or the same infinity in both, counts equal; any other position where either is
+    not finite makes the error inf (so a NaN never compares as within a tolerance). The shapes
+    must be equal.
+
+    Example:
+        >>> nan = float("nan")
+        >>> max_error(torch.tensor([1.0, nan]), torch.tensor([1.5, nan]))
+        0.5
+        >>> max_error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, nan]))
+        inf
+    """
+    if not want.numel():
+        return 0.0
+    a, b = got.detach().double(), want.detach().double()
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    if bool(finite.all()):
+        return float((a - b).abs().max())
+    same = (torch.isnan(a) & torch.isnan(b)) | (torch.isinf(a) & (a == b))
+    if not bool((finite | same).all()):
+        return math.inf
+    return float((a - b)[finite].abs().max()) if bool(finite.any()) else 0.0
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``max|got - want| / max|want|`` in float64 (inf when the shapes differ)."""
+    """``max|got - want| / max|want|`` in float64 (inf when the shapes differ), under
+    :func:`max_error`'s rule for values that are not finite, scaled by ``want``'s finite values
+    (:func:`finite_max`)."""
     if got.shape != want.shape:
-        return float("inf")
-    a, b = got.double(), want.double()
-    scale = b.abs().max().item() if b.numel() else 0.0
-    diff = (a - b).abs().max().item() if b.numel() else 0.0
+        return math.inf
+    diff = max_error(got, want)
+    scale = finite_max(want)
     return diff / scale if scale > 0 else diff
 
 

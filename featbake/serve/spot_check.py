@@ -30,7 +30,13 @@ from typing import Any
 
 import torch
 
-from featbake.encode.encoders import EXACT_TOLERANCE, LoadedEncoder, training_submodule
+from featbake.encode.encoders import (
+    EXACT_TOLERANCE,
+    LoadedEncoder,
+    finite_max,
+    max_error,
+    training_submodule,
+)
 from featbake.encode.hf import recipe_for_encoder
 from featbake.encode.inputs import inputs_at
 from featbake.encode.sources import source_for
@@ -218,7 +224,7 @@ def tolerance(recipe: Recipe, live: torch.Tensor) -> float:
         >>> tolerance(Recipe(dtype="float16"), torch.tensor([2.0, -4.0])) > 4.0 * 2.0**-11
         True
     """
-    scale = float(live.detach().abs().max()) if live.numel() else 0.0
+    scale = finite_max(live)  # a NaN or inf in it is compared by max_error, never a scale
     rel = EXACT_TOLERANCE[recipe.precision].relative + STORAGE_ERROR[recipe.dtype]
     return max(rel * scale, ABS_FLOOR)
 
@@ -243,9 +249,7 @@ def compare(
         if got.shape != now.shape:
             shapes = f"shape {list(got.shape)} stored, {list(now.shape)} now"
             return ItemCheck(item, key, Verdict.MISMATCH, math.inf, 0.0, shapes)
-        error = float((got.double() - now.double()).abs().max()) if now.numel() else 0.0
-        if not math.isfinite(error):
-            error = math.inf
+        error = max_error(got, now)  # inf where one holds NaN or inf and the other not
         allowed = tolerance(recipe, now)
         if error / allowed >= worst[0] / worst[1]:
             worst = (error, allowed, part)

@@ -43,6 +43,7 @@ from featbake.encode.encoders import (
     autocast_for,
     from_module,
     pad_inputs,
+    relative_error,
     torchscript_quietly,
 )
 from featbake.encode.loaders import load_encoder
@@ -396,6 +397,43 @@ def test_the_guard_falls_back_to_exact_shapes_when_padding_leaks(
     for rel, parts in stored_features(tmp_path / "s", report.root).items():
         # Nothing inexact was stored, also from the batch that tripped the guard.
         assert rel_error(parts[""], alone(module, varied_audio / rel, Recipe())) < 1e-4
+
+
+class LeakyNanEncoder(nn.Module):
+    """LeakyLengthsEncoder with its first value NaN (a log of a silent frame, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaky = LeakyLengthsEncoder()
+
+    def forward(
+        self, wav: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        feats, out_lengths = self.leaky(wav, lengths)
+        feats = feats.clone()
+        feats[:, 0, 0] = float("nan")
+        return feats, out_lengths
+
+
+def test_a_nan_in_the_output_never_lets_a_padding_leak_pass_the_guard(tmp_path: Path) -> None:
+    """The guard's error was NaN when the item run alone held a NaN, and ``NaN > tolerance`` is
+    False: an --allow-nonfinite build stored every padded item with the padding's leak. Now a
+    NaN at the same place in both counts equal, and the leak elsewhere trips the guard."""
+    nan = torch.tensor([1.0, float("nan")])
+    assert relative_error(nan.clone(), nan) == 0.0
+    assert relative_error(torch.full((2,), 99.0), nan) == float("inf")
+    assert relative_error(torch.tensor([1.5, float("nan")]), nan) == 0.5
+    data = tmp_path / "varied"
+    write_audio_folder(data, 14, seconds=(0.3, 2.0), seed=5)
+    path = save_torchscript(LeakyNanEncoder(), tmp_path / "leaky_nan.pt")
+    report = build(data, path, cache=tmp_path / "s", workers=0, batch_size=8, allow_nonfinite=True)
+    assert report.ok and report.encoded == 14
+    assert report.batching == BatchingMode.EXACT and "not exact" in report.batching_note
+    with torchscript_quietly():
+        module = torch.jit.load(str(path))
+    for rel, parts in stored_features(tmp_path / "s", report.root).items():
+        want = alone(module, data / rel, Recipe())
+        torch.testing.assert_close(parts[""], want, rtol=1e-4, atol=1e-5, equal_nan=True)
 
 
 def test_batch_runner_moves_waiting_items_to_exact_shapes_on_fall_back() -> None:

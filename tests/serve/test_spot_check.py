@@ -27,7 +27,9 @@ from featbake.serve.spot_check import (
     STORAGE_ERROR,
     SpotCheckReport,
     Verdict,
+    compare,
     spot_check,
+    tolerance,
 )
 from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
@@ -286,3 +288,51 @@ def test_spot_check_options_without_encoder_are_not_ignored_unsaid(
     assert "--sample/--dtype are for a spot check: give --encoder and --data" in lines[0]
     r = invoke("verify", "--cache", store_dir)
     assert r.returncode == 0 and "verify: clean" in r.stdout, r.stderr
+
+
+class _NanFirst(nn.Module):
+    """TinyConvEncoder with its first value NaN (a log of a silent frame, say); ``noisy``: plus
+    another offset at every run, what the spot check exists to catch."""
+
+    def __init__(self, noisy: bool) -> None:
+        super().__init__()
+        self.body = TinyConvEncoder()
+        self.noisy = noisy
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        out = self.body(wav)
+        if self.noisy:
+            out = out + torch.rand(1) * 10.0
+        out = out.clone()
+        out[:, 0, 0] = float("nan")
+        return out
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_a_nan_in_the_encoders_output_never_compares_as_within(
+    tmp_path: Path, audio_dir: Path, store_dir: Path, noisy: bool
+) -> None:
+    """The tolerance was taken from the output's largest magnitude, NaN included, and a NaN
+    error compared as within: every item of a nondeterministic encoder whose output holds one
+    NaN (an --allow-nonfinite build) was a match. Now the scale is the finite values', a NaN
+    (or the same inf) in both counts equal and any other non-finite difference is out."""
+    encoder = save_torchscript(_NanFirst(noisy), tmp_path / "nan.pt")
+    _build(encoder, audio_dir, store_dir, "--allow-nonfinite")
+    report = spot_check(audio_dir, encoder, cache=store_dir, sample=4)
+    assert isinstance(report, SpotCheckReport) and report.checked == 4
+    want = Verdict.MISMATCH if noisy else Verdict.MATCH
+    assert {c.verdict for c in report.checks} == {want}
+    live = torch.ones(5, 4)
+    for now, stored, verdict in [
+        (float("nan"), 0.0, Verdict.MISMATCH),  # a NaN now against any stored value
+        (1.0, float("nan"), Verdict.MISMATCH),
+        (float("inf"), 1e30, Verdict.MISMATCH),
+        (float("inf"), float("-inf"), Verdict.MISMATCH),
+        (float("inf"), float("inf"), Verdict.MATCH),
+        (float("nan"), float("nan"), Verdict.MATCH),
+    ]:
+        a, b = live.clone(), live.clone()
+        a[0, 0], b[0, 0] = now, stored
+        check = compare("x", "k", {"": b}, {"": a}, Recipe())
+        assert check.verdict is verdict, (now, stored)
+        assert check.tolerance == tolerance(Recipe(), live)  # the finite values' scale
