@@ -480,11 +480,12 @@ or see the lines above). 5: the store cannot be opened at all. 2: a spot check's
 the store holds matches the encoder now (items it lacks, evicted or deleted, are listed as
 missing, not failed); 12 stored features differ from the encoder's output: a code of its own,
 not 11, because their bytes and checksums are sound and --repair keeps them (drop the root and
-build again, or find the encoder that built it); 13 those compared matched, but some sampled
-inputs changed since the build (their bytes now make other keys than it recorded: build again);
-7 the store holds no root for that encoder, data and recipe, or nothing was compared (every
-sampled item missing, changed or unreadable: a check that compared nothing vouches for
-nothing); 4 the encoder could not load."""
+build again, or find the encoder that built it); 11, as without --encoder, a sampled item's
+stored bytes are damaged (a checksum that fails: run --repair, then build); 13 those compared
+matched, but some sampled inputs changed since the build (their bytes now make other keys than
+it recorded: build again); 7 the store holds no root for that encoder, data and recipe, or
+nothing was compared (every sampled item missing, changed or unreadable: a check that compared
+nothing vouches for nothing); 4 the encoder could not load."""
 
 
 @app.command(
@@ -696,6 +697,11 @@ def _print_spot_check(report: Any, verdict: Any) -> None:
         out.print(f"[yellow]changed since the build[/] {escape(c.item)}: {escape(c.detail)}")
     if len(changed) > SHOWN_MISMATCHES:
         out.print(f"[yellow]... and {len(changed) - SHOWN_MISMATCHES} more changed (see --json)")
+    damaged = report.of(verdict.DAMAGED)
+    for c in damaged[:SHOWN_MISMATCHES]:
+        out.print(f"[red]damaged[/] {escape(c.item)}: {escape(c.detail)}")
+    if len(damaged) > SHOWN_MISMATCHES:
+        out.print(f"[red]... and {len(damaged) - SHOWN_MISMATCHES} more damaged (see --json)")
     if report.likely_cause:
         console.print(f"[yellow]likely cause:[/] {escape(report.likely_cause)}")
     out.print(
@@ -703,6 +709,7 @@ def _print_spot_check(report: Any, verdict: Any) -> None:
         f"checked against {escape(report.encoder)} ({report.dtype}, seed {report.seed}): "
         f"{report.mismatched} mismatched, {report.missing} missing"
         + (f", {report.changed} changed since the build" if report.changed else "")
+        + (f", {report.damaged} damaged (run `featbake verify --repair`)" if report.damaged else "")
         + (f", {report.unreadable} unreadable inputs" if report.unreadable else "")
         + f" in {report.seconds:.2f}s"
     )

@@ -40,9 +40,9 @@ from featbake.encode.encoders import (
 from featbake.encode.hf import recipe_for_encoder
 from featbake.encode.inputs import inputs_at
 from featbake.encode.sources import source_for
-from featbake.errors import CacheMiss, ConfigError, FeatbakeError
+from featbake.errors import CacheMiss, ConfigError, FeatbakeError, StoreCorrupt
 from featbake.keys import root_id
-from featbake.quantize import dequantize
+from featbake.quantize import damaged_positions, dequantize
 from featbake.recipe import Recipe
 from featbake.serve.index import Index, IndexSpec, build_index
 from featbake.serve.misses import (
@@ -66,6 +66,12 @@ DEFAULT_SAMPLE = 32
 #: sound, so --repair keeps them; the fix is to drop the root and build again (or to find out
 #: which encoder built it), and a script must be able to tell the two apart.
 SPOT_CHECK_MISMATCH = 12
+
+#: The exit code of a spot check that found a sampled item's stored bytes damaged (a checksum
+#: that fails, or an int8/fp8 row scale that is not finite): verify's 11
+#: (``featbake.upkeep.VERIFY_DAMAGED``), "damage remains, run --repair", which quarantines the
+#: shard for a build to recompute; never 12, whose features --repair keeps.
+SPOT_CHECK_DAMAGED = 11
 
 #: The exit code of a spot check that compared no item (every sampled item missing from the
 #: store, changed since the build, or unreadable): :class:`~featbake.errors.CacheMiss`'s, as
@@ -104,6 +110,7 @@ class Verdict(StrEnum):
     MISSING = "missing"  # the store does not hold this item's feature (not a mismatch)
     CHANGED = "changed"  # its input's bytes changed since the build: another key than recorded
     UNREADABLE = "unreadable"  # its input cannot be read now: nothing to compare
+    DAMAGED = "damaged"  # its stored bytes are damaged (`featbake verify --repair`): not compared
 
 
 @dataclass(frozen=True)
@@ -173,11 +180,19 @@ class SpotCheckReport:
         return len(self.of(Verdict.CHANGED))
 
     @property
+    def damaged(self) -> int:
+        return len(self.of(Verdict.DAMAGED))
+
+    @property
     def exit_code(self) -> int:
-        """:data:`SPOT_CHECK_MISMATCH` when a compared item mismatched; else
+        """:data:`SPOT_CHECK_DAMAGED` when a sampled item's stored bytes are damaged (repair
+        first: what a rebuild recomputes is then checked again); else
+        :data:`SPOT_CHECK_MISMATCH` when a compared item mismatched; else
         :data:`NOTHING_COMPARED` when no item was compared; else :data:`INPUTS_CHANGED` when a
         sampled input changed since the build; else 0 (items the store lacks, evicted or
         deleted, are reported, not failed)."""
+        if self.damaged:
+            return SPOT_CHECK_DAMAGED
         if self.mismatched:
             return SPOT_CHECK_MISMATCH
         if not self.checked:
@@ -185,8 +200,9 @@ class SpotCheckReport:
         return INPUTS_CHANGED if self.changed else 0
 
     def nothing_compared(self) -> str | None:
-        """The one line of a check that compared no item, saying why (None: some were)."""
-        if self.checked:
+        """The one line of a check that compared no item, saying why (None: some were, or some
+        stored items are damaged, which the report's own lines say)."""
+        if self.checked or self.damaged:
             return None
         n = len(self.checks)
         why = [
@@ -205,7 +221,8 @@ class SpotCheckReport:
         doc = asdict(self)
         doc.update(
             checked=self.checked, mismatched=self.mismatched, missing=self.missing,
-            unreadable=self.unreadable, changed=self.changed, exit_code=self.exit_code,
+            unreadable=self.unreadable, changed=self.changed, damaged=self.damaged,
+            exit_code=self.exit_code,
         )  # fmt: skip
         for check in doc["checks"]:  # JSON has no infinity: a shape that differs is null
             if not math.isfinite(check["max_abs_error"]):
@@ -370,10 +387,19 @@ class _Run:
         item = self.index.rel(i)
         try:
             stored = self.reader.get_located(key, locations)
-        except FeatbakeError as e:  # a checksum that fails: `featbake verify` says which shard
+        except StoreCorrupt as e:  # a checksum that fails: the error names the shard
+            return ItemCheck(item, key, Verdict.DAMAGED, detail=str(e))
+        except FeatbakeError as e:
             return ItemCheck(item, key, Verdict.MISMATCH, math.inf, 0.0, f"unreadable: {e}")
         if stored is None:  # gone since it was looked up (gc moved it away)
             return ItemCheck(item, key, Verdict.MISSING)
+        scheme = self.recipe.scheme
+        if scheme is not None and any(damaged_positions(t, scheme) for t in stored.values()):
+            detail = (
+                "a stored row's scale is not finite (its shard is damaged); run `featbake verify "
+                "--repair` to quarantine it, then `featbake build` to recompute what it held"
+            )
+            return ItemCheck(item, key, Verdict.DAMAGED, detail=detail)
         return compare(item, key, stored, live, self.recipe)
 
     def likely_cause(self, picks: Sequence[int]) -> str | None:

@@ -336,3 +336,57 @@ def test_a_nan_in_the_encoders_output_never_compares_as_within(
         check = compare("x", "k", {"": b}, {"": a}, Recipe())
         assert check.verdict is verdict, (now, stored)
         assert check.tolerance == tolerance(Recipe(), live)  # the finite values' scale
+
+
+def _damage(store: Path, how: str) -> set[str]:
+    """Damage the first shard of an int8 store: one row scale's byte flipped (``checksum``: its
+    checksum then fails), or every tensor's first row scale NaN in a shard rewritten with valid
+    checksums (``scale``, as ``_forge`` rewrites one). Returns the keys damaged."""
+    shard = sorted(shard_files(store))[0]
+    with ShardReader(shard) as r:
+        meta = r.metadata
+        tensors = {name: r.read(name) for name in r.tensors}
+        first = r.tensors[sorted(r.tensors)[0]]
+    entries = {name: split_tensor_name(name) for name in tensors}
+    if how == "checksum":
+        raw = bytearray(shard.read_bytes())
+        raw[first.begin + first.shape[-1] - 1] ^= 0x40  # row 0's scale, its top byte
+        shard.chmod(0o644)
+        shard.write_bytes(bytes(raw))
+        return {entries[sorted(tensors)[0]][0]}
+    layout, sealed = Layout(store), []
+    with ShardWriter(layout, meta["encoder_fp"], meta["recipe_fp"], on_seal=sealed.append) as w:
+        for name, t in tensors.items():
+            key, part = entries[name]
+            t = t.clone()
+            t[0, -4:] = torch.tensor([float("nan")]).view(torch.int8)
+            w.add(key, {part: t})
+    shard.unlink()
+    with Catalog(layout) as cat:
+        for s in sealed:
+            cat.add_shard(s)
+    return {k for k, _ in entries.values()}
+
+
+@pytest.mark.parametrize("how", ["checksum", "scale"])
+def test_a_damaged_stored_item_is_damaged_exit_11_not_a_mismatch(
+    encoder_file: Path, audio_dir: Path, store_dir: Path, how: str
+) -> None:
+    """A sampled item whose stored bytes are damaged was a mismatch (max abs error inf), exit 12,
+    the code whose features --repair keeps; plain verify calls the shard damaged, exit 11. Now
+    it is its own verdict, damaged, named with what to run, and the check exits 11."""
+    from featbake.upkeep import VERIFY_DAMAGED
+
+    _build(encoder_file, audio_dir, store_dir, "--dtype", "int8", "--shard-size", "40KiB")
+    damaged = _damage(store_dir, how)
+    report = spot_check(audio_dir, encoder_file, recipe=Recipe(dtype="int8"), cache=store_dir,
+                        sample=100)  # fmt: skip
+    assert isinstance(report, SpotCheckReport)
+    assert {c.key for c in report.of(Verdict.DAMAGED)} == damaged
+    assert report.mismatched == 0 and report.checked == 16 - len(damaged)
+    assert report.exit_code == VERIFY_DAMAGED == 11
+    r = _verify(encoder_file, audio_dir, store_dir, "--dtype", "int8", "--sample", "100")
+    assert r.returncode == VERIFY_DAMAGED, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("damaged ")]
+    assert len(lines) == len(damaged) and all("featbake verify --repair" in ln for ln in lines)
+    assert f"{len(damaged)} damaged" in r.stdout and "0 mismatched" in r.stdout
