@@ -42,7 +42,7 @@ from featbake.store.fidelity import fidelity_file, read_fidelity, recorded_serve
 from featbake.store.fragments import sealed_fragments
 from featbake.store.layout import Layout
 from featbake.store.shard import ShardReader
-from featbake.testing import TinyConvEncoder, save_torchscript
+from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 from featbake.upkeep import drop_root, list_roots, stats
 from tests.bake.test_ranks import torchrun
 from tests.conftest import REPO, invoke, live_features
@@ -557,6 +557,40 @@ def test_values_float16_cannot_hold_are_served_as_float32_and_measured_so(
     assert got.dtype == torch.bfloat16 and bool(torch.isfinite(got.float()).all())
     want32 = dequantize(quantize(live[3], scheme), scheme, torch.float32)
     assert torch.equal(got, want32.to(torch.bfloat16))
+
+
+class LongScaled(nn.Module):
+    """TinyConvEncoder's frames, times 1e7 for inputs over 0.75 s (float16 cannot hold them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = TinyConvEncoder()
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        out = self.enc(wav)
+        return out * 1e7 if wav.shape[-1] > 12000 else out
+
+
+def test_a_rebuild_adding_small_items_keeps_a_float32_record(tmp_path: Path) -> None:
+    """A build measures only the items it encodes: a rebuild that added one small clip to a
+    root of large values re-recorded it as float16, and the default dataset then refused every
+    earlier item. Now a float32 record stays float32, and every item is served as the encoder
+    gives it now, quantised, in float32."""
+    data = tmp_path / "audio"
+    write_audio_folder(data, 3, seconds=1.0, seed=1)
+    encoder = save_torchscript(LongScaled(), tmp_path / "long.pt")
+    store = tmp_path / "store"
+    first = build(data, encoder, cache=store, recipe=Recipe(dtype="int8"), batch_size=1)
+    assert first.ok and recorded_serve_dtype(Layout(store), first.root) == "float32"
+    write_audio_folder(tmp_path / "more", 1, seconds=0.3, seed=5)
+    (tmp_path / "more" / "clip00000.wav").rename(data / "short.wav")
+    again = build(data, encoder, cache=store, recipe=Recipe(dtype="int8"), batch_size=1)
+    assert again.ok and (again.encoded, again.reused, again.root) == (1, 3, first.root)
+    assert recorded_serve_dtype(Layout(store), first.root) == "float32"
+    ds = CachedFeatureDataset(data, encoder, cache=store, dtype="int8", on_miss="error")
+    for i, live in enumerate(_live(encoder, ds)):
+        want = dequantize(quantize(live, Scheme.INT8), Scheme.INT8, torch.float32)
+        assert torch.equal(ds[i], want), i
 
 
 def test_values_float16_holds_are_measured_as_float16(tmp_path: Path, audio_dir: Path) -> None:

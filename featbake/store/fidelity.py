@@ -119,17 +119,23 @@ def write_fidelity(layout: Layout, name: str, measured: Measured, bound: float |
     its error on the sampled items (null where it only copied packed rows) and the dtype its
     rows' scales can be served in; nothing when it stored nothing quantised.
 
+    A build measures the items it encodes, not those it reuses: over a root whose record says
+    float32, the record stays float32 (float16 could not hold an earlier build's rows, which
+    the root still holds), its error measured in float32 too.
+
     Raises:
         StoreError: the store is not writable.
 
     Example:
         >>> write_fidelity(layout, "r-3f1c", compactor.measured, 0.05)  # doctest: +SKIP
     """
-    fidelity = measured.fidelity()
-    if fidelity is None and not measured.span.known():
+    if measured.fidelity() is None and not measured.span.known():
         return
     served = measured.served()  # by the span alone where nothing was tallied (copies)
-    measured_json = None if fidelity is None else fidelity.to_json()
+    if recorded_serve_dtype(layout, name) == "float32":
+        served = "float32"  # kept: the items of the builds before still need it (see above)
+    tally = measured.tallies[served]
+    measured_json = tally.result(served).to_json() if tally.items else None
     doc: dict[str, Any] = {"fidelity": measured_json, "bound": bound, "serve_dtype": served}
     final = fidelity_file(layout, name)
     try:
