@@ -394,7 +394,13 @@ class RayEngine:
 
         A task whose actor died is tried again on a restarted actor :data:`TASK_TRIES` times,
         not for ever (Ray Data's default): an input that ends its process (a crash in the
-        encoder's native code, the OOM killer) ends the build instead of looping."""
+        encoder's native code, the OOM killer) ends the build instead of looping.
+
+        Raises:
+            ConfigError: no node of a cluster that cannot grow holds a worker (see
+                :meth:`check_placeable`), before anything is mapped.
+        """
+        self.check_placeable(ray)
         with warnings.catch_warnings():  # Ray 2.60 to 2.63 warn of the option, not of its use
             warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
             return ds.map_batches(
@@ -407,6 +413,34 @@ class RayEngine:
                 num_gpus=self.gpus_per_worker or None,
                 **task_tries_option(ds.map_batches),
             )
+
+    def check_placeable(self, ray: Any) -> None:
+        """Refuse workers that no node of the cluster can hold (a CPU and ``gpus_per_worker``
+        GPUs each, on one node): Ray Data waits for such actors for ever, saying nothing (its
+        warnings are quieted, :func:`quiet`); before, ``--gpus-per-worker 1`` on a cluster
+        without GPUs hung after hashing. Fewer nodes than workers is not refused: the actors
+        that fit run every task.
+
+        A cluster this process started (a build's local instance, or the caller's own
+        ``ray.init()`` with no address) never gains a node: refused. A cluster connected to
+        may have an autoscaler that adds nodes of the kind asked for once the pool asks (Ray
+        Data requests them): a warning, and the build waits for them.
+
+        Raises:
+            ConfigError: the line saying what a worker asks and what the cluster has.
+        """
+        asked = {"CPU": 1.0, "GPU": float(self.gpus_per_worker)}
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        if any(all(node.get(k, 0) >= need for k, need in asked.items()) for node in nodes):
+            return
+        line = unplaceable(self.workers, asked, nodes)
+        if started_here(ray):
+            raise ConfigError(line)
+        warnings.warn(
+            f"{line}; the build waits for the cluster to add such a node (an autoscaler), "
+            "Ctrl-C stops it",
+            stacklevel=3,
+        )
 
     def encode(
         self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
@@ -435,6 +469,41 @@ class RayEngine:
                 total.add(PartResult.from_json(result[RESULT]))
                 _tick(progress, total, len(items))
         return total
+
+
+def unplaceable(
+    workers: int, asked: Mapping[str, float], nodes: Sequence[Mapping[str, Any]]
+) -> str:
+    """The line for ``workers`` actors, each asking ``asked`` (``CPU``, ``GPU``), that none of
+    ``nodes`` (each node's total resources) can hold (pure).
+
+    Example:
+        >>> line = unplaceable(2, {"CPU": 1, "GPU": 1}, [{"CPU": 8.0}])
+        >>> line[:25], line[line.index("it has") :][:41]
+        ('workers asking 1 GPU each', 'it has 0 GPUs in all, at most 0 on a node')
+    """
+    gpus = asked.get("GPU", 0)
+    most = {k: max((float(n.get(k, 0)) for n in nodes), default=0.0) for k in ("CPU", "GPU")}
+    total = {k: sum(float(n.get(k, 0)) for n in nodes) for k in ("CPU", "GPU")}
+    if gpus > most["GPU"]:
+        return (
+            f"workers asking {gpus:g} GPU each ({workers} workers, --gpus-per-worker / num_gpus) "
+            f"fit no node of the Ray cluster: it has {total['GPU']:g} GPUs in all, at most "
+            f"{most['GPU']:g} on a node (and {total['CPU']:g} CPUs); give fewer GPUs a worker "
+            "(0: encode on CPU), or a cluster with GPUs (--ray-address)"
+        )
+    return (
+        f"workers asking a CPU each fit no node of the Ray cluster (it has {total['CPU']:g} "
+        "CPUs in all): give a cluster whose nodes have CPUs (--ray-address)"
+    )
+
+
+def started_here(ray: Any) -> bool:
+    """Whether this process started the Ray instance it is connected to (a build's local
+    instance, a caller's ``ray.init()`` with no address): one that no autoscaler grows. A
+    cluster connected to (an address) is not."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return bool(getattr(node, "head", False))
 
 
 class Connecting:

@@ -835,3 +835,50 @@ def test_a_json_build_whose_actors_die_prints_only_json_on_stdout(
     assert proc.returncode == 3, proc.stderr
     assert "A worker died" in proc.stderr and "encoding the inputs failed 3 times" in proc.stderr
     assert proc.stdout == ""  # a failed build prints no report
+
+
+def test_workers_asking_gpus_no_node_has_are_refused_before_anything_waits(
+    ray_cluster: dict[str, str], clips: Path, encoder_file: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Round 21: ``--gpus-per-worker 1`` on a Ray instance without GPUs printed the hashing's
+    progress and then waited for ever (Ray Data waits for a GPU the instance will never
+    have; its warnings are quieted). A cluster this process started is refused in one line
+    before anything is mapped; one connected to (an autoscaler may add GPU nodes) is warned
+    of. The module's instance, started here, has 2 CPUs and no GPU."""
+    import featbake.ray
+    from featbake.bake import ray_engine
+
+    store = tmp_path / "store"
+    ds = ray.data.read_binary_files(str(clips), include_paths=True)
+    asks_a_gpu = RayEngine(workers=1, gpus_per_worker=1)
+    with pytest.raises(ConfigError, match="fit no node"):  # refused before mapping: no wait
+        asks_a_gpu.on_actors(ray, ds, ray_engine.BytesActor, (None, "bytes", None), 1)
+    with pytest.raises(ConfigError) as raised:
+        featbake.ray.encode(ds, encoder=encoder_file, cache=store, column="bytes", workers=1,
+                            num_gpus=1)  # fmt: skip
+    line = str(raised.value)
+    assert "\n" not in line and "1 GPU each (1 workers" in line, line
+    assert "it has 0 GPUs in all, at most 0 on a node (and 2 CPUs)" in line, line
+    with pytest.raises(ConfigError, match="fit no node of the Ray cluster"):
+        build(clips, encoder_file, cache=store, engine=RayEngine(workers=1, gpus_per_worker=0.5))
+    monkeypatch.setattr(ray_engine, "started_here", lambda ray: False)  # as if connected to it
+    with pytest.warns(UserWarning, match="waits for the cluster to add such a node"):
+        asks_a_gpu.on_actors(ray, ds, ray_engine.BytesActor, (None, "bytes", None), 1)
+    RayEngine(workers=8).check_placeable(ray)  # more workers than CPUs: those that fit run all
+
+
+def test_cli_ray_build_asking_gpus_of_its_local_ray_without_any_is_one_line(
+    clips: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The build starts its own local instance (no RAY_ADDRESS): it has no GPU, and never will.
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    store = tmp_path / "store"
+    args = ["build", "-e", encoder_file, "-d", clips, "--cache", store, "--engine", "ray"]
+    proc = run_cli(*args, "--workers", "1", "--gpus-per-worker", "1", timeout=240)
+    assert proc.returncode == 2, printed(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, printed(proc)
+    assert "1 GPU each (1 workers" in errors[0] and "it has 0 GPUs" in errors[0], errors[0]
+    plain = invoke("build", "-e", encoder_file, "-d", clips, "--cache", store, "--json")
+    assert plain.returncode == 0 and json.loads(plain.stdout)["encoded"] == 6, printed(plain)
