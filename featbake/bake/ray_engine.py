@@ -75,7 +75,13 @@ from featbake.encode.fingerprints import (
     read_here,
 )
 from featbake.encode.hf import recipe_for_encoder
-from featbake.errors import BuildIncomplete, ConfigError, FeatbakeError, StoreError, first_line
+from featbake.errors import (
+    BuildIncomplete,
+    ConfigError,
+    FeatbakeError,
+    StoreError,
+    first_line,
+)
 from featbake.keys import feature_key, root_id
 from featbake.progress import Progress
 from featbake.recipe import Recipe
@@ -775,9 +781,25 @@ def encoding_lost(error: BaseException) -> BuildIncomplete:
     )
 
 
+def task_failed(error: BaseException) -> BuildIncomplete:
+    """The one line for an encoding or reading task of Ray Data that raised what is not
+    featbake's (a file of the dataset gone before it was read, a bug): before, Ray's wrapped
+    traceback of dozens of lines, in colour."""
+    return BuildIncomplete(
+        f"a Ray task of the build failed ({_ray_why(error)}); what the tasks sealed is kept: "
+        "rerun once the cause is fixed (see `ray logs` for the worker's side)"
+    )
+
+
 def _ray_why(error: BaseException) -> str:
-    """What Ray's ``error`` says, in one line of at most 300 characters, without colours."""
+    """What Ray's ``error`` says, in one line of at most 300 characters, without colours: a
+    RayTaskError's cause (what the task raised); where that is Ray Data's wrapper of a map's
+    error (``UserCodeException``, whose own line says only that a UDF failed), the last line
+    of the traceback Ray carried back before it (the error the code raised)."""
     cause = getattr(error, "cause", None)  # a RayTaskError's: what the task itself raised
+    wrapped, sep, _ = str(error).partition("\n\nThe above exception was the direct cause")
+    if type(cause).__name__ == "UserCodeException" and sep and wrapped.strip():
+        return re.sub(r"\x1b\[[0-9;]*m", "", wrapped.strip().splitlines()[-1].strip())[:300]
     error = cause if isinstance(cause, BaseException) else error
     first = re.sub(r"\x1b\[[0-9;]*m", "", first_line(error))  # Ray colours its lines
     name = type(error).__name__
@@ -786,7 +808,9 @@ def _ray_why(error: BaseException) -> str:
 
 def _results(ds: Any) -> Iterator[dict[str, Any]]:
     """``ds``'s rows as they come; the error a task carried back raised as itself (its class,
-    its one line: Ray Data's ``UserCodeException`` keeps only a worker's traceback text)."""
+    its one line: Ray Data's ``UserCodeException`` keeps only a worker's traceback text); any
+    other error of a task (a read of the dataset, code that is not featbake's) in one line.
+    """
     from ray import exceptions as rx
 
     lost = (rx.ActorDiedError, rx.ActorUnavailableError, rx.WorkerCrashedError, rx.NodeDiedError)
@@ -798,6 +822,8 @@ def _results(ds: Any) -> Iterator[dict[str, Any]]:
             return
         except (*lost, rx.OutOfMemoryError) as e:
             raise encoding_lost(e) from None
+        except rx.RayTaskError as e:
+            raise task_failed(e) from None
         if row[RESULT]:
             PartResult.from_json(row[RESULT]).raise_error()
         yield row
@@ -1041,6 +1067,7 @@ def _encode_rows(
     total = PartResult()
     with ray_session(engine.address) as ray:
         quiet(ray)
+        _check_columns(ds, column, id_column)
         _leave_a_cpu_to_reads(ray, engine)
         per_task = engine.rows_per_task or ROWS_PER_TASK  # rows holding their bytes: small
         out = engine.on_actors(ray, ds, BytesActor, (job, column, id_column), per_task)
@@ -1049,6 +1076,30 @@ def _encode_rows(
             if row[RESULT]:
                 total.add(PartResult.from_json(row[RESULT]))
     return items, total
+
+
+def _check_columns(ds: Any, column: str, id_column: str | None) -> None:
+    """Refuse a ``column`` or ``id_column`` that ``ds`` lacks, on the driver, before anything
+    is mapped: before, each actor's first task raised a KeyError that came back as Ray's
+    traceback. A dataset whose schema is not known (None) is taken as it is.
+
+    Raises:
+        ConfigError: the name it lacks, and the columns it has.
+        BuildIncomplete: reading the dataset for its schema failed (:func:`task_failed`).
+    """
+    from ray import exceptions as rx
+
+    try:
+        schema = ds.schema()
+    except rx.RayTaskError as e:  # a read task of the dataset: its file gone, unreadable
+        raise task_failed(e) from None
+    names = [] if schema is None else list(schema.names)
+    for option, name in (("column", column), ("id_column", id_column)):
+        if names and name is not None and name not in names:
+            raise ConfigError(
+                f"{option}={name!r} is not a column of the dataset (its columns: "
+                f"{', '.join(names)}): give {option} one of them"
+            )
 
 
 def _leave_a_cpu_to_reads(ray: Any, engine: RayEngine) -> None:

@@ -882,3 +882,39 @@ def test_cli_ray_build_asking_gpus_of_its_local_ray_without_any_is_one_line(
     assert "1 GPU each (1 workers" in errors[0] and "it has 0 GPUs" in errors[0], errors[0]
     plain = invoke("build", "-e", encoder_file, "-d", clips, "--cache", store, "--json")
     assert plain.returncode == 0 and json.loads(plain.stdout)["encoded"] == 6, printed(plain)
+
+
+def _no_such_column(batch: dict[str, Any]) -> dict[str, Any]:
+    return {"result": batch["no_such_column"]}  # a KeyError: not featbake's
+
+
+def test_encode_given_a_column_the_dataset_lacks_or_a_file_gone_says_so_in_one_line(
+    ray_cluster: dict[str, str], clips: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Round 21: a mistyped column or id_column came back as Ray's traceback of 23 lines in
+    colour (a KeyError in each actor), and a file of ``read_binary_files`` deleted before the
+    encode as one of 55 lines. The names are checked against the dataset's schema first; any
+    other error of a task is one featbake line naming what the task raised."""
+    import featbake.ray
+    from featbake.bake.ray_engine import _results
+
+    args = {"encoder": encoder_file, "cache": tmp_path / "store", "workers": 1}
+    ds = ray.data.read_binary_files(str(clips), include_paths=True)
+    for typo, line in [
+        ({"column": "byte"}, "column='byte' is not a column of the dataset (its columns: bytes, "),
+        ({"id_column": "paths"}, "id_column='paths' is not a column of the dataset"),
+    ]:
+        with pytest.raises(ConfigError) as raised:
+            featbake.ray.encode(ds, **{"column": "bytes", "id_column": "path", **typo, **args})
+        assert str(raised.value).startswith(line) and "\n" not in str(raised.value), raised.value
+    gone = sorted(clips.iterdir())[1]
+    gone.unlink()  # after the dataset listed it
+    with pytest.raises(BuildIncomplete) as lost:
+        featbake.ray.encode(ds, column="bytes", id_column="path", **args)
+    message = str(lost.value)
+    assert "\n" not in message and "\x1b" not in message, message
+    assert "failed (FileNotFoundError: " in message and gone.name in message, message
+    _no_such_column.__module__ = "__main__"  # sent by value, not imported
+    mapped = ray.data.from_items([{"x": 1}]).map_batches(_no_such_column)
+    with pytest.raises(BuildIncomplete, match=r"failed \(KeyError: 'no_such_column'\); what"):
+        list(_results(mapped))
