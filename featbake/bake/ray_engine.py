@@ -253,6 +253,8 @@ def ray_session(address: str | None) -> Iterator[Any]:
         )
     except (ValueError, ConnectionError, RuntimeError) as e:  # ray.init's own errors
         raise ConfigError(ray_unreached(address, first_line(e))) from None
+    except OSError as e:  # its temp folder: read-only, not a folder, full
+        raise ConfigError(ray_unreached(address, ray_folder_unwritten(e))) from None
     try:
         yield ray
     finally:
@@ -307,6 +309,24 @@ def another_cluster(ray: Any, address: str | None) -> str | None:
         f"Ray is already initialised in this process, connected to {now[0]}:{now[1]}, and "
         f"--ray-address names another cluster ({address}): call ray.shutdown() before the "
         "build, or give no --ray-address to build on this session"
+    )
+
+
+def ray_folder_unwritten(error: OSError) -> str:
+    """Why Ray could not write its session folder (``ray.init``'s OSError: a read-only
+    ``/tmp``, ``$RAY_TMPDIR`` not a folder), naming the folder and what chooses it (pure).
+    Before, "internal error ... please report it".
+
+    Example:
+        >>> ray_folder_unwritten(NotADirectoryError(20, "Not a directory", "/x/ray"))
+        "Ray could not write its temp folder /x/ray (Not a directory): set RAY_TMPDIR to a \
+writable folder (Ray's temp folder is $RAY_TMPDIR/ray, else $TMPDIR/ray, else /tmp/ray)"
+    """
+    folder = error.filename or "under $RAY_TMPDIR"
+    return (
+        f"Ray could not write its temp folder {folder} ({error.strerror or first_line(error)}): "
+        "set RAY_TMPDIR to a writable folder (Ray's temp folder is $RAY_TMPDIR/ray, else "
+        "$TMPDIR/ray, else /tmp/ray)"
     )
 
 

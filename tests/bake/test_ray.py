@@ -918,3 +918,22 @@ def test_encode_given_a_column_the_dataset_lacks_or_a_file_gone_says_so_in_one_l
     mapped = ray.data.from_items([{"x": 1}]).map_batches(_no_such_column)
     with pytest.raises(BuildIncomplete, match=r"failed \(KeyError: 'no_such_column'\); what"):
         list(_results(mapped))
+
+
+def test_cli_ray_build_whose_ray_temp_folder_cannot_be_made_is_one_line(
+    clips: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round 21: a local Ray that could not make its session folder ($RAY_TMPDIR a file, a
+    read-only /tmp) ended the build in "internal error: NotADirectoryError ... please report
+    it", exit 1. Now the build's own line: the folder, and that RAY_TMPDIR chooses it."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    not_a_folder = tmp_path / "afile"
+    not_a_folder.write_text("x")
+    store = tmp_path / "store"
+    args = ["build", "-e", encoder_file, "-d", clips, "--cache", store, "--engine", "ray"]
+    proc = run_cli(*args, "--workers", "1", env={"RAY_TMPDIR": str(not_a_folder)})
+    assert proc.returncode == 2, printed(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, printed(proc)
+    assert f"temp folder {not_a_folder / 'ray'} (Not a directory)" in errors[0], errors[0]
+    assert "set RAY_TMPDIR to a writable folder" in errors[0], errors[0]
