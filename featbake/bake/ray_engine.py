@@ -543,7 +543,11 @@ class Connecting:
     are seconds, three times such a rebuild's own time).
 
     The thread that started a local instance lives as long as the instance: Ray's processes
-    are killed when the thread that started them ends (``PR_SET_PDEATHSIG``)."""
+    are killed when the thread that started them ends (``PR_SET_PDEATHSIG``). That holds for
+    the GCS and the raylet; the raylet's agents (``ray::DashboardAgent``,
+    ``ray::RuntimeEnvAgent``) see it gone within seconds, then try for up to 60 s (Ray 2.60) to
+    tell the GCS, gone too, before they exit: a build killed with SIGKILL leaves them about a
+    minute."""
 
     def __init__(self, address: str | None) -> None:
         self.address = address
