@@ -192,10 +192,16 @@ def ensure_schema(conn: sqlite3.Connection, path: Path, *, writable: bool) -> No
     version = schema_version(conn)
     if version == SCHEMA_VERSION:
         return
-    if version is not None and (version > SCHEMA_VERSION or version not in MIGRATIONS):
+    if version is not None and version > SCHEMA_VERSION:
         raise StoreError(
             f"the catalog {path} has schema version {version}, this featbake reads "
             f"{SCHEMA_VERSION}; upgrade featbake, or rebuild with `featbake verify --repair`"
+        )
+    if version is not None and version not in MIGRATIONS:
+        raise StoreError(
+            f"the catalog {path} has schema version {version}, written by an older featbake "
+            f"whose catalogs this one ({SCHEMA_VERSION}) no longer upgrades; rebuild it from the "
+            "shards and root manifests with `featbake verify --repair` (no feature is lost)"
         )
     if not writable and version in READ_AS_IS:
         return

@@ -71,6 +71,28 @@ def test_schema_version_mismatch_is_a_clear_store_error(cat: Catalog, layout: La
         _ = Catalog(layout).conn
 
 
+def test_a_catalog_too_old_to_upgrade_says_to_repair_not_to_upgrade_featbake(
+    audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """A catalog of a schema this featbake no longer migrates (1) was refused with "upgrade
+    featbake", which the user of the newer featbake cannot follow. It says an older featbake
+    wrote it and to repair; the repair rebuilds it from the shards and manifests, and every
+    item is served equal to the encoder run now."""
+    store = tmp_path / "store"
+    build(audio_dir, encoder_file, cache=store, workers=0)
+    with sqlite3.connect(store / "catalog.sqlite") as conn:
+        conn.execute("UPDATE meta SET value='1' WHERE name='schema_version'")
+    conn.close()
+    stats = invoke("stats", "--cache", store)
+    assert stats.returncode == 5 and "upgrade featbake" not in stats.stderr, stats.stderr
+    assert "written by an older featbake" in stats.stderr and "verify --repair" in stats.stderr
+    repair = invoke("verify", "--cache", store, "--repair")
+    assert repair.returncode == 10 and "repaired" in repair.stdout, repair.stdout + repair.stderr
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store, on_miss="error")
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+
+
 def test_a_damaged_catalog_file_is_a_store_error(layout: Layout) -> None:
     layout.catalog.write_bytes(b"this is not a database" * 100)
     with pytest.raises(StoreError, match="move it aside"):
