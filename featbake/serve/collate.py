@@ -288,7 +288,8 @@ def _pad_tensors(
         raise ConfigError(
             f"pad_collate: item 0{where} is a one-dimensional {elem.dtype} tensor, as an int8/fp8 "
             "store serves a [T] item with dequantize=False (its one row scale in its last 4 "
-            "bytes, which padding would move): serve it dequantised (the default)"
+            "bytes, which padding would move): serve it dequantised (the default); a sequence "
+            "of your own in int8 or uint8 (bytes of a transcript) pads once cast, `.long()`"
         )
     trailing = elem.shape[1:]
     dtype = elem.dtype
