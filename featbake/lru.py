@@ -122,7 +122,7 @@ class ByteLRU(ProcessLocalState, Generic[K, V]):
 
     # One per process (the one pickling rule): a pickled copy, or a child forked while another
     # thread held it, makes its own.
-    _lock: ProcessLocal[threading.Lock] = ProcessLocal(lambda _: threading.Lock())
+    _lock: ProcessLocal[threading.Lock] = ProcessLocal(lambda _: threading.Lock(), lock=True)
 
     def __init__(self, max_bytes: int, getsizeof: Callable[[V], int] = nbytes_of) -> None:
         if max_bytes < 0:

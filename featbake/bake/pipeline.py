@@ -730,9 +730,10 @@ class _Bake:
     #: An unfinished build's record of what it set out to encode while it may pad (see
     #: :class:`~featbake.store.roots.PaddingRecord`), and the keys of it found stored (key ->
     #: path): encoded again alone once padding is known inexact. Read by the build's driver.
-    padding: PaddingRecord = field(default_factory=PaddingRecord)
+    padding: PaddingRecord = field(default_factory=PaddingRecord)  # every part's together
     suspects: dict[str, str] = field(default_factory=dict)
-    records_padding: bool = False  # this process wrote the root's padding record
+    own_padding: PaddingRecord | None = None  # this part's record, once it wrote one
+    padding_part: str = "0-of-1"  # this part of the build ("<rank>-of-<world>")
 
     @property
     def runner(self) -> BatchRunner:
@@ -830,6 +831,7 @@ class _Bake:
         (``merge``: an engine's driver merges its workers' fragments). Under torchrun the ranks
         first check that they all see one build (:func:`check_ranks_agree`), then exchange keys.
         """
+        self.padding_part = f"{spec.rank}-of-{spec.world}"
         with rank_group(spec):
             check_ranks_agree(spec, self.view(listing), listing)
             with gc_paused():  # tens of thousands of small rows, no cycles: see gcpause.py
@@ -953,7 +955,7 @@ class _Bake:
         to_encode = [(k, p) for k, p in work if k not in plan]
         self.held.keep_only({p for _, p in to_encode})  # others are stored or derived
         if not work:
-            clear_padding(self.layout, self.report.root)
+            clear_padding(self.layout, self.report.root, self.padding_part)
             return self.progress(Progress("encode", 0, 0)) if self.progress else None
         self.record_padding([k for k, _ in to_encode])
         try:
@@ -961,7 +963,7 @@ class _Bake:
         except ConfigError:  # a wrong option (--output): its manifest names keys never stored
             self.catalog.drop_root(self.report.root)
             raise
-        clear_padding(self.layout, self.report.root)  # every padded item checked or redone
+        clear_padding(self.layout, self.report.root, self.padding_part)  # all checked or redone
 
     def padded_before(self, present: set[str], todo: dict[str, str]) -> set[str]:
         """``present`` less what an unfinished build of this root stored after padding was
@@ -995,15 +997,18 @@ class _Bake:
             return
         if self.elsewhere is not None and self.runs.batching == Batching.EXACT.value:
             return
-        write_padding(self.layout, self.report.root, self.padding.with_keys(keys))
-        self.records_padding = True
+        # This part's earlier record kept: what a stopped run of it stored stays suspect.
+        before = read_padding(self.layout, self.report.root, self.padding_part)
+        self.own_padding = before.with_keys(keys)
+        write_padding(self.layout, self.report.root, self.padding_part, self.own_padding)
 
     def padding_failed(self) -> None:
-        """A padding check failed: the record says so before anything is encoded again (a
-        rerun then encodes again what this build stored, whichever step it is killed in)."""
-        if self.records_padding and not self.padding.inexact:
-            self.padding = dataclasses.replace(self.padding, inexact=True)
-            write_padding(self.layout, self.report.root, self.padding)
+        """A padding check failed: this part's record says so at once, before the next batch
+        (a rerun then encodes again what this build stored, whichever step it is stopped in)."""
+        own = self.own_padding
+        if own is not None and not own.inexact:
+            self.own_padding = dataclasses.replace(own, inexact=True)
+            write_padding(self.layout, self.report.root, self.padding_part, self.own_padding)
 
     def padded_again(self, padded: list[PaddedItem], inexact: bool) -> list[PaddedItem]:
         """What to encode again alone: ``padded`` (stored from this run's padded batches) and
@@ -1248,6 +1253,8 @@ class _EncodeRun:
         """Encode one batch and queue its features; a failing batch is retried item by item."""
         try:
             results = self.bake.runner.encode([x for _, x in batch])
+            if self.bake.runner.inexact:
+                self.bake.padding_failed()  # recorded before the loop goes on
         except EncodeError as e:
             if len(batch) > 1:  # find the culprit: retry one by one
                 for item in batch:

@@ -12,7 +12,7 @@ roots/<name>.items        items appended since, one [path, key] JSON array per l
 roots/<name>.dropped      left by a drop while it runs; gc finishes a drop a crash cut short
 roots/<name>.undecodable  the inputs the last build could not decode (key -> reason)
 roots/<name>.fidelity     what an int8/fp8 build measured (featbake.store.fidelity)
-roots/<name>.padding      what a build that may pad set out to encode, until its end
+roots/<name>.<part>.padding  what a build (part) that may pad set out to encode, until its end
 ```
 """
 
@@ -441,7 +441,8 @@ def _write_utf8(text: str, path: Path) -> None:
     path.write_text(text, encoding="utf-8")
 
 
-# A build that may pad its batches: ``roots/<name>.padding``, from before it encodes to its end.
+# A build that may pad its batches: ``roots/<name>.<part>.padding``, from before it encodes to
+# its end (one per part of a build in parts: ``--shard``, torchrun ranks).
 #
 # The exactness guard checks the most padded item of each padded batch; a later batch can fail
 # it after earlier batches' items were sealed, and the build then encodes those again alone
@@ -481,16 +482,31 @@ class PaddingRecord:
         return {k for k in keys if k[:PADDING_MARK] in self.marks}
 
 
-def padding_file(layout: Layout, name: str) -> Path:
-    """``roots/<name>.padding`` (see :class:`PaddingRecord`)."""
-    return roots_dir(layout) / f"{checked_root_name(name)}.padding"
+def padding_file(layout: Layout, name: str, part: str) -> Path:
+    """``roots/<name>.<part>.padding``: the record of part ``part`` (``"<rank>-of-<world>"``)
+    of root ``name``'s build (see :class:`PaddingRecord`): each part keeps its own, so one
+    finishing never removes another's."""
+    return roots_dir(layout) / f"{checked_root_name(name)}.{part}.padding"
 
 
-def read_padding(layout: Layout, name: str) -> PaddingRecord:
-    """Root ``name``'s padding record; an empty one when there is none (or it cannot be read:
-    the build before it then left nothing known, as before the record)."""
+def read_padding(layout: Layout, name: str, part: str | None = None) -> PaddingRecord:
+    """Part ``part``'s padding record of root ``name``, or (``part`` None) every part's
+    together; an empty one where there is none (or it cannot be read: the build before it
+    then left nothing known, as before the record)."""
+    if part is not None:
+        return _read_padding_file(padding_file(layout, name, part))
     try:
-        doc = json.loads(padding_file(layout, name).read_text(encoding="utf-8"))
+        paths = sorted(roots_dir(layout).glob(f"{checked_root_name(name)}.*.padding"))
+    except OSError:
+        return PaddingRecord()
+    records = [_read_padding_file(p) for p in paths]
+    marks = frozenset().union(*(r.marks for r in records))
+    return PaddingRecord(marks, any(r.inexact for r in records))
+
+
+def _read_padding_file(path: Path) -> PaddingRecord:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
         marks, inexact = doc["marks"], doc["inexact"]
     except (OSError, ValueError, KeyError, TypeError):
         return PaddingRecord()
@@ -499,14 +515,14 @@ def read_padding(layout: Layout, name: str) -> PaddingRecord:
     return PaddingRecord(frozenset(str(m) for m in marks), inexact is True)
 
 
-def write_padding(layout: Layout, name: str, record: PaddingRecord) -> None:
-    """Record ``record`` for root ``name`` (tmp, rename, durable: written before any feature
-    it names is sealed).
+def write_padding(layout: Layout, name: str, part: str, record: PaddingRecord) -> None:
+    """Record ``record`` for part ``part`` of root ``name``'s build (tmp, rename, durable:
+    written before any feature it names is sealed).
 
     Raises:
         StoreError: the store is not writable.
     """
-    final = padding_file(layout, name)
+    final = padding_file(layout, name, part)
     doc = json.dumps({"inexact": record.inexact, "marks": sorted(record.marks)})
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -518,9 +534,9 @@ def write_padding(layout: Layout, name: str, record: PaddingRecord) -> None:
         ) from e
 
 
-def clear_padding(layout: Layout, name: str) -> None:
-    """Remove root ``name``'s padding record: its build came to its end."""
-    unlink_quietly(padding_file(layout, name))
+def clear_padding(layout: Layout, name: str, part: str) -> None:
+    """Remove part ``part``'s padding record of root ``name``: that part came to its end."""
+    unlink_quietly(padding_file(layout, name, part))
 
 
 def unlink_quietly(path: Path) -> None:

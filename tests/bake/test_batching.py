@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -54,6 +55,8 @@ from featbake.progress import Progress
 from featbake.quantize import Scheme, dequantize, quantize
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
+from featbake.store.layout import Layout
+from featbake.store.merge import merge
 from featbake.testing import LengthsEncoder, save_torchscript, write_audio_folder
 from tests.conftest import invoke
 from tests.helpers import assert_store_consistent, rel_error, root_keys, stored_features
@@ -898,17 +901,21 @@ def test_items_sealed_before_the_guard_failed_are_encoded_again_alone(tmp_path: 
     assert (again.encoded, again.reused) == (0, 12)
 
 
-def interrupted_after_padded_batches(data: Path, encoder: Path, store: Path) -> None:
-    """A padded build of ``data`` stopped (Ctrl-C) once three batches of three passed the
-    padding check and were sealed, before the late batch that fails it."""
+def interrupted_after_padded_batches(
+    data: Path, encoder: Path, store: Path, at: int = 9, **kw: Any
+) -> None:
+    """A padded build of ``data`` stopped (Ctrl-C) once ``at`` items were encoded: by default
+    three batches of three, which passed the padding check and were sealed, before the late
+    batch that fails it; at 12, after that batch failed it and before the items padded before
+    it were encoded again."""
 
     def stop(p: Progress) -> None:
-        if p.phase == "encode" and p.done >= 9:
+        if p.phase == "encode" and p.done >= at:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
         build(data, encoder, cache=store, workers=0, batch_size=3, batching="padded",
-              progress=stop)  # fmt: skip
+              progress=stop, **kw)  # fmt: skip
 
 
 def test_a_rerun_encodes_again_alone_what_a_stopped_build_stored_padded(tmp_path: Path) -> None:
@@ -943,6 +950,40 @@ def test_a_rerun_after_a_padding_check_failed_encodes_again_what_was_stored_padd
     record.write_text(json.dumps({**doc, "inexact": True}))  # as written before the redo
     build(data, encoder, cache=store, workers=0, batch_size=3, batching="exact")
     assert_serves_alone(data, module, encoder, cache=store)
+
+
+def test_a_build_stopped_after_its_padding_check_failed_has_its_rerun_encode_them_again(
+    tmp_path: Path,
+) -> None:
+    """The record said a check failed only once the encoding loop was over: a build stopped
+    after its late batch failed the check, before the items padded before were encoded again,
+    left a record saying none failed, and its rerun (nothing left to encode, no check run)
+    kept them. The record says so as the check fails."""
+    data, module = clips(tmp_path / "clips"), LittlePaddingLeaks()
+    encoder, store = save_torchscript(module, tmp_path / "leaky.pt"), tmp_path / "store"
+    interrupted_after_padded_batches(data, encoder, store, at=12)
+    build(data, encoder, cache=store, workers=0, batch_size=3, batching="padded")
+    assert_serves_alone(data, module, encoder, cache=store)
+
+
+def test_a_part_finishing_keeps_the_padding_record_another_part_left(tmp_path: Path) -> None:
+    """The parts of a build (``--shard``) shared one record: part 0 finishing removed the one
+    part 1, stopped, had left, and part 1's rerun kept what it had stored padded (3 items off
+    by 0.5). Each part keeps its own record; a rerun reads them all."""
+    data, module = clips(tmp_path / "clips"), LittlePaddingLeaks()
+    write_audio_folder(data / "z_ballast", 1, seconds=20.0, seed=99)  # part 0's alone
+    encoder, store = save_torchscript(module, tmp_path / "leaky.pt"), tmp_path / "store"
+    kw: dict[str, Any] = {"cache": store, "workers": 0, "batch_size": 3, "batching": "padded"}
+    interrupted_after_padded_batches(data, encoder, store, shard="1/2")
+    build(data, encoder, shard="0/2", **kw)
+    assert [p.name.split(".")[1] for p in (store / "roots").glob("*.padding")] == ["1-of-2"]
+    build(data, encoder, shard="1/2", **kw)
+    merge(Layout(store))  # --shard parts are merged by `featbake merge`
+    ds = CachedFeatureDataset(data, encoder, cache=store, on_miss="error")
+    assert len(ds) == 13
+    for i in range(len(ds)):
+        want = alone_plain(module, Path(ds.path(i)))
+        torch.testing.assert_close(ds[i], want, rtol=1e-4, atol=1e-5, msg=ds.path(i))
 
 
 def test_padding_that_stays_exact_encodes_nothing_again(tmp_path: Path) -> None:
