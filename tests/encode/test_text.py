@@ -410,14 +410,21 @@ def test_a_tokenizer_file_of_its_own_class_is_in_the_key(tmp_path: Path) -> None
     built = transformers_outputs(bertweet, BERTWEET_TEXT).ids
     (folder / "bpe.codes").write_text("".join(f"{m} 1\n" for m in BERTWEET_MERGES[2:]))
     assert len(transformers_outputs(bertweet, BERTWEET_TEXT).ids) < len(built)  # fewer merges
-    stale = CachedFeatureDataset(
-        data, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
-    )
+    assert_missed_then_served_as_run_now(data, folder, tmp_path / "store", bertweet)
+
+
+def assert_missed_then_served_as_run_now(
+    data: Path, folder: Path, store: Path, model: TextModel
+) -> None:
+    """The store built before the tokenizer changed misses (``on_miss="error"``), and a
+    dataset that encodes its misses says it holds another tokenizer's features and serves
+    what transformers gives now."""
+    stale = CachedFeatureDataset(data, encoder=folder, cache=store, source="text", on_miss="error")
     with pytest.raises(CacheMiss):
         stale[0]
     with pytest.warns(UserWarning):  # the store holds another tokenizer's features: said so
-        ds = CachedFeatureDataset(data, encoder=folder, cache=tmp_path / "store", source="text")
-    assert_served_equal(ds, bertweet)
+        ds = CachedFeatureDataset(data, encoder=folder, cache=store, source="text")
+    assert_served_equal(ds, model)
 
 
 def test_an_optional_library_a_tokenizer_runs_is_in_the_key(
@@ -451,14 +458,7 @@ def test_an_optional_library_a_tokenizer_runs_is_in_the_key(
     monkeypatch.syspath_prepend(lib.parent)
     monkeypatch.setitem(sys.modules, "emoji", importlib.import_module("emoji"))  # undone after
     assert len(transformers_outputs(bertweet, text).ids) > len(built)  # spelled out now
-    stale = CachedFeatureDataset(
-        data, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
-    )
-    with pytest.raises(CacheMiss):
-        stale[0]
-    with pytest.warns(UserWarning):  # the store holds another tokenizer's features: said so
-        ds = CachedFeatureDataset(data, encoder=folder, cache=tmp_path / "store", source="text")
-    assert_served_equal(ds, bertweet)
+    assert_missed_then_served_as_run_now(data, folder, tmp_path / "store", bertweet)
 
 
 # == bad texts =====================================================================================
