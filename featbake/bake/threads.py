@@ -250,23 +250,42 @@ def workers_unchecked_by_torch(loader: DataLoader) -> Iterator[Iterator[Any]]:
         # torch's own shutdown (what __del__ calls), now, not when the last reference goes
         shut = getattr(batches, "_shutdown_workers", None)
         if shut is not None:
-            if stop_requested():  # a worker stuck in a read never ends of itself
+            if stop_requested() or workers_died(batches):  # one stuck in a read never ends
                 kill_workers(batches)
             shut()  # does nothing at interpreter exit: its workers then stay registered
             if main and getattr(batches, "_worker_pids_set", True) is False:
                 signal.signal(signal.SIGCHLD, after if after is not None else signal.SIG_DFL)
 
 
+def workers_died(batches: Any) -> bool:
+    """Whether one of a loader iterator's decode workers ended other than by torch's shutdown
+    (the OOM killer, a kill by hand)."""
+    return any(w.exitcode not in (None, 0) for w in getattr(batches, "_workers", ()))
+
+
 def kill_workers(batches: Any) -> None:
-    """SIGKILL a loader iterator's decode workers still alive. A stop signal ends the wait for
-    a worker stuck in a read that never returns (:func:`stoppable_wait`); torch's shutdown then
-    waits 5 s for each worker and sends it SIGTERM, which decode workers ignore (the main
-    process stops them, :func:`init_worker`), and the interpreter's exit joins them: forever.
-    A decode worker holds nothing to seal."""
-    for worker in getattr(batches, "_workers", ()):
+    """SIGKILL a loader iterator's decode workers still alive, and keep torch's shutdown off the
+    flag they shared.
+
+    A stop signal ends the wait for a worker stuck in a read that never returns
+    (:func:`stoppable_wait`); torch's shutdown then waits 5 s for each worker and sends it
+    SIGTERM, which decode workers ignore (the main process stops them, :func:`init_worker`),
+    and the interpreter's exit joins them: forever. A decode worker holds nothing to seal.
+
+    The workers' "done" flag is a ``multiprocessing.Event``, guarded by a lock between
+    processes that each worker takes as it receives an input. A worker killed while it held
+    it (descheduled there on a busy machine; or the one the OOM killer ended) holds it for
+    ever, and torch's shutdown, setting the flag, waited on it: the build stopped by SIGTERM
+    never ended. Once every worker is gone nobody reads the flag: torch's shutdown sets a
+    plain one of this process instead.
+    """
+    workers = getattr(batches, "_workers", ())
+    for worker in workers:
         if worker.is_alive():
             worker.kill()
             worker.join()
+    if workers and hasattr(batches, "_workers_done_event"):
+        batches._workers_done_event = threading.Event()
 
 
 class _WorkerWatch:

@@ -23,7 +23,7 @@ import sys
 import time
 import tracemalloc
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
@@ -1339,7 +1339,7 @@ def test_rows_naming_a_fifo_or_a_folder_are_bad_rows_not_a_hang(
 #: ``STUCK_FIFO`` for reading, a real ``open(2)`` that blocks until a writer comes: none does
 #: (an NFS server gone, as the decoder sees it).
 STUCK_HOOK = """
-import os, soundfile
+import os, soundfile, time
 
 STUCK = open(os.environ["STUCK_CLIP"], "rb").read()
 
@@ -1350,6 +1350,10 @@ class Stuck(soundfile.SoundFile):
         if data is None and isinstance(file, str):
             data = open(file, "rb").read()
         if data == STUCK:
+            if os.environ["STUCK_AT"] == "held":  # once the other worker holds the flag
+                open(os.environ["STUCK_READY"] + ".reached", "w").close()
+                while not os.path.exists(os.environ["STUCK_READY"] + ".held"):
+                    time.sleep(0.01)
             with open(os.environ["STUCK_READY"], "w") as ready:
                 ready.write("stuck")
             open(os.environ["STUCK_FIFO"], "rb")
@@ -1370,6 +1374,28 @@ if os.environ["STUCK_AT"] == "hash":  # the clip's first read, hashing it, block
         return plain_open(file, *args, **kwargs)
 
     builtins.open = stuck_open
+if os.environ["STUCK_AT"] == "held":  # the other decode worker, as it takes its 3rd input
+    # (after the stuck one was reached), stops while it holds the loader's "done" flag, a lock
+    # between processes: as a worker descheduled there on a busy machine is when it is killed
+    import multiprocessing.synchronize
+    from torch.utils.data import get_worker_info
+
+    plain_is_set, calls = multiprocessing.synchronize.Event.is_set, []
+
+    def held_is_set(self):
+        if get_worker_info() is not None:
+            calls.append(1)
+            if len(calls) == 3:
+                while not os.path.exists(os.environ["STUCK_READY"] + ".reached"):
+                    time.sleep(0.01)
+                with self._cond:
+                    with open(os.environ["STUCK_READY"] + ".tmp", "w") as held:
+                        held.write(str(os.getpid()))  # whole once it has its name:
+                    os.replace(held.name, os.environ["STUCK_READY"] + ".held")
+                    time.sleep(3600)
+        return plain_is_set(self)
+
+    multiprocessing.synchronize.Event.is_set = held_is_set
 """
 
 
@@ -1385,17 +1411,12 @@ def _ended(proc: subprocess.Popen[str], seconds: float) -> subprocess.CompletedP
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-@pytest.mark.parametrize(("at", "workers"), [("decode", "0"), ("decode", "2"), ("hash", "0")])
-def test_sigterm_stops_a_build_whose_decoder_is_stuck_in_a_read_keeping_what_it_sealed(
-    tmp_path: Path, encoder_file: Path, at: str, workers: str
-) -> None:
-    """SIGTERM (Kubernetes, SLURM, ``timeout``) to a build whose decoder is stuck in a read that
-    never returns (its 4th clip's open of a FIFO no writer opens; on the decode thread, and in a
-    decode worker process; or its first read, hashing it, on a hashing thread): the build stops
-    with its one line and exit 143, the clips it encoded before (as many as the encoder reached: up
-    to 3) sealed and served equal to the encoder run now, and a rerun reuses them and builds the
-    rest. Before, the main thread waited for the stuck decode for ever (the signal only noted for
-    the next checkpoint), and the decode thread was joined at exit."""
+def _stuck_build_stopped(
+    tmp_path: Path, encoder_file: Path, at: str, workers: str, stop: Callable[[int], None]
+) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
+    """A build of 6 clips whose 4th is stuck in a read that never returns (``STUCK_HOOK``, at
+    ``at``), ``stop(build pid)`` called once the decoder is stuck: what it printed once it
+    ended (or was killed 600 s later), its data folder and its store."""
     data = tmp_path / "audio"
     write_audio_folder(data, 6, seconds=(0.3, 0.8), seed=41)
     clips = sorted(data.glob("*.wav"))
@@ -1422,24 +1443,29 @@ def test_sigterm_stops_a_build_whose_decoder_is_stuck_in_a_read_keeping_what_it_
         finally:
             os.close(reader)
         if reached:
-            proc.send_signal(signal.SIGTERM)
+            stop(proc.pid)
         ran = _ended(proc, 600)  # its output whatever happened, for the message
         assert reached, f"the decoder never reached the clip: {printed(ran)}"
     finally:
         proc.kill()
-    err = ran.stderr
-    assert ran.returncode == 143, printed(ran)
-    last = err.strip().splitlines()[-1]  # after the progress lines
-    assert last.startswith("stopped: stopped by SIGTERM"), printed(ran)
-    assert err.count("stopped:") == 1 and "Traceback" not in err, printed(ran)
+    return ran, data, store
+
+
+def assert_sealed_before_the_stuck_clip_and_rebuilt(
+    data: Path, encoder_file: Path, store: Path, most: int
+) -> None:
+    """The clips a stopped :func:`_stuck_build_stopped` sealed (up to ``most``, in order, the
+    stuck one never) are served equal to the encoder run now, and a rerun reuses them and
+    builds the rest."""
+    clips = sorted(data.glob("*.wav"))
     ds = quiet_dataset(data, encoder_file, store, on_miss="error")
-    sealed = 0  # how far the encoder got before the signal: the clips before the stuck one
+    sealed = 0  # how far the encoder got before the stop: the clips before the stuck one
     for i, clip in enumerate(clips):
         try:
             got = ds[i]
         except CacheMiss:
             continue
-        assert i == sealed < (3 if at == "decode" else 0), i  # in order, the stuck clip never
+        assert i == sealed < most, i
         torch.testing.assert_close(got, live_features(encoder_file, clip))
         sealed += 1
     report = build(data, encoder_file, cache=store, workers=0)
@@ -1447,6 +1473,54 @@ def test_sigterm_stops_a_build_whose_decoder_is_stuck_in_a_read_keeping_what_it_
     ds = quiet_dataset(data, encoder_file, store, on_miss="error")
     for i, clip in enumerate(clips):
         torch.testing.assert_close(ds[i], live_features(encoder_file, clip))
+
+
+@pytest.mark.parametrize(
+    ("at", "workers"), [("decode", "0"), ("decode", "2"), ("held", "2"), ("hash", "0")]
+)
+def test_sigterm_stops_a_build_whose_decoder_is_stuck_in_a_read_keeping_what_it_sealed(
+    tmp_path: Path, encoder_file: Path, at: str, workers: str
+) -> None:
+    """SIGTERM (Kubernetes, SLURM, ``timeout``) to a build whose decoder is stuck in a read that
+    never returns (its 4th clip's open of a FIFO no writer opens; on the decode thread, and in a
+    decode worker process, also while the other worker holds the loader's "done" flag; or its
+    first read, hashing it, on a hashing thread): the build stops with its one line and exit
+    143, the clips it encoded before (as many as the encoder reached: up to 3) sealed and
+    served equal to the encoder run now, and a rerun reuses them and builds the rest. Before,
+    the main thread waited for the stuck decode for ever (the signal only noted for the next
+    checkpoint), and the decode thread was joined at exit; and (``held``) the stopped build
+    killed its workers and then waited for ever on the flag the killed one held."""
+    ran, data, store = _stuck_build_stopped(
+        tmp_path, encoder_file, at, workers, lambda pid: os.kill(pid, signal.SIGTERM)
+    )
+    err = ran.stderr
+    assert ran.returncode == 143, printed(ran)
+    last = err.strip().splitlines()[-1]  # after the progress lines
+    assert last.startswith("stopped: stopped by SIGTERM"), printed(ran)
+    assert err.count("stopped:") == 1 and "Traceback" not in err, printed(ran)
+    assert_sealed_before_the_stuck_clip_and_rebuilt(
+        data, encoder_file, store, 0 if at == "hash" else 3
+    )
+
+
+def test_a_decode_worker_killed_holding_the_loaders_flag_ends_the_build_with_its_line(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """The OOM killer ends a decode worker while it holds the loader's "done" flag (a lock
+    between processes, taken as each input arrives) and the other worker is stuck in a read:
+    the build ends with its one line (exit 8, "a decode worker died"), keeping the clips it
+    sealed, served equal to the encoder run now. Before, its shutdown set the flag and waited
+    for ever on the lock the dead worker held."""
+
+    def kill_holder(pid: int) -> None:
+        os.kill(int((tmp_path / "ready.held").read_text()), signal.SIGKILL)
+
+    ran, data, store = _stuck_build_stopped(tmp_path, encoder_file, "held", "2", kill_holder)
+    err = ran.stderr
+    assert ran.returncode == 8, printed(ran)
+    assert "a decode worker died" in err.strip().splitlines()[-1], printed(ran)
+    assert "Traceback" not in err and "internal error" not in err, printed(ran)
+    assert_sealed_before_the_stuck_clip_and_rebuilt(data, encoder_file, store, 3)
 
 
 def test_a_cut_whose_source_is_a_bucket_url_is_read_from_the_bucket(
