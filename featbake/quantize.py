@@ -59,6 +59,11 @@ class Fidelity:
         min_cosine: the smallest cosine similarity of any row.
         served: the float dtype the measured items were served in (the cast to it is measured
             too: it is what a reader gets).
+        dims: feature dimensions measured (the last axis, summed over an item's parts).
+        dims_lost: those whose own relative RMS error, over every sampled row, is over
+            :data:`LOST_DIM`: mostly rounding, where a few large dimensions set each row's
+            scale and the small ones round to zero. The whole-sample error cannot see them: the
+            large dimensions hold the norm.
     """
 
     items: int
@@ -67,6 +72,8 @@ class Fidelity:
     mean_cosine: float
     min_cosine: float
     served: str = "float32"  # records from before the served dtype was measured: float32
+    dims: int = 0  # records from before dimensions were measured: none
+    dims_lost: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the root's fidelity record)."""
@@ -78,16 +85,59 @@ class Fidelity:
         rel, worst, mean, least = (
             float(doc[k]) for k in ("rel_rms", "worst_rel_rms", "mean_cosine", "min_cosine")
         )
-        return cls(int(doc["items"]), rel, worst, mean, least, str(doc.get("served", "float32")))
+        served, dims, lost = (
+            str(doc.get("served", "float32")),
+            doc.get("dims", 0),
+            doc.get("dims_lost", 0),
+        )
+        return cls(int(doc["items"]), rel, worst, mean, least, served, int(dims), int(lost))
 
     def summary(self) -> str:
         """One line, e.g. ``0.65% rel. RMS error (worst 0.71%), cosine 0.99998 (min 0.99995), 6
         items as float16`` (the served dtype named: it is part of what was measured)."""
+        lost = f", {self.dims_lost} of {self.dims} dimensions lost" if self.dims_lost else ""
         return (
             f"{self.rel_rms:.2%} rel. RMS error (worst {self.worst_rel_rms:.2%}), "
             f"cosine {self.mean_cosine:.5f} (min {self.min_cosine:.5f}), {self.items} items "
-            f"as {self.served}"
+            f"as {self.served}{lost}"
         )
+
+
+#: A feature dimension whose relative RMS error over the sampled rows is over this is *lost*:
+#: the rounding is as large as its values (a signal-to-noise ratio of 6 dB at most).
+LOST_DIM = 0.5
+
+
+@dataclass
+class DimSums:
+    """One part's squared error and squared value, summed over every sampled row, per feature
+    dimension (the last axis): a dimension rounded away is seen even where a larger one holds
+    each row's norm (a trained model's outlier dimension, hundreds of times the others, sets
+    the per-row int8 scale, and the rest round to zero).
+
+    Example:
+        >>> DimSums([1.0, 0.0], [1.0, 4.0]).lost(), DimSums([1.0, 0.0], [1.0, 4.0]).measured()
+        (1, 2)
+    """
+
+    err: list[float]
+    ref: list[float]
+
+    def plus(self, other: DimSums) -> DimSums:
+        """Both sums as one (the same part, measured in two tallies); ``self`` where the widths
+        differ (not one part: nothing can be pooled)."""
+        if len(other.ref) != len(self.ref):
+            return self
+        err = np.add(self.err, other.err).tolist()
+        return DimSums(err, np.add(self.ref, other.ref).tolist())
+
+    def measured(self) -> int:
+        """Dimensions holding a value other than zero in a sampled row."""
+        return sum(r > 0 for r in self.ref)
+
+    def lost(self) -> int:
+        """Dimensions whose relative RMS error is over :data:`LOST_DIM`."""
+        return sum(r > 0 and e > LOST_DIM**2 * r for e, r in zip(self.err, self.ref, strict=True))
 
 
 @dataclass
@@ -110,9 +160,11 @@ class FidelityTally:
     cos_sum: float = 0.0
     cos_rows: int = 0
     cos_min: float = 1.0
+    dims: dict[str, DimSums] = field(default_factory=dict)  # per part (``""``: a single one)
 
-    def add(self, reference: torch.Tensor, stored: torch.Tensor) -> None:
-        """Count one item: the encoder's output and what is served from the store."""
+    def add(self, reference: torch.Tensor, stored: torch.Tensor, part: str = "") -> None:
+        """Count one item (or ``part`` of one): the encoder's output and what is served from
+        the store."""
         import torch
 
         shape = reference.shape
@@ -124,6 +176,8 @@ class FidelityTally:
         self.err_sq += err
         self.ref_sq += norm
         self.worst = max(self.worst, math.sqrt(err / norm) if norm > 0 else 0.0)
+        sums = DimSums((ref - got).square().sum(0).tolist(), ref.square().sum(0).tolist())
+        self.dims[part] = self.dims[part].plus(sums) if part in self.dims else sums
         ref_n, got_n = ref.norm(dim=-1), got.norm(dim=-1)
         rows = ref_n > 0  # a zero row has no direction (it is stored exactly)
         if bool(rows.any()):
@@ -136,7 +190,7 @@ class FidelityTally:
         """Count one item of several parts (layers) as one: the parts' sums are pooled."""
         for name, ref in reference.items():
             before = self.items
-            self.add(ref, stored[name])
+            self.add(ref, stored[name], name)
             self.items = before
         self.items += 1
 
@@ -146,6 +200,7 @@ class FidelityTally:
             self.items + other.items, self.err_sq + other.err_sq, self.ref_sq + other.ref_sq,
             max(self.worst, other.worst), self.cos_sum + other.cos_sum,
             self.cos_rows + other.cos_rows, min(self.cos_min, other.cos_min),
+            _pooled_dims(self.dims, other.dims),
         )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
@@ -157,13 +212,27 @@ class FidelityTally:
         """Inverse of :meth:`to_json`."""
         err_sq, ref_sq, worst, cos_sum = (float(doc[k]) for k in _SUMS)
         rows, least = int(doc["cos_rows"]), float(doc["cos_min"])
-        return cls(int(doc["items"]), err_sq, ref_sq, worst, cos_sum, rows, least)
+        dims = {  # none in a record from before dimensions were measured
+            str(part): DimSums([float(e) for e in d["err"]], [float(r) for r in d["ref"]])
+            for part, d in doc.get("dims", {}).items()
+        }
+        return cls(int(doc["items"]), err_sq, ref_sq, worst, cos_sum, rows, least, dims)
 
     def result(self, served: str = "float32") -> Fidelity:
         """The measurement so far, of items served as ``served``."""
         rel = math.sqrt(self.err_sq / self.ref_sq) if self.ref_sq > 0 else 0.0
         mean = self.cos_sum / self.cos_rows if self.cos_rows else 1.0
-        return Fidelity(self.items, rel, self.worst, mean, self.cos_min, served)
+        dims = sum(d.measured() for d in self.dims.values())
+        lost = sum(d.lost() for d in self.dims.values())
+        return Fidelity(self.items, rel, self.worst, mean, self.cos_min, served, dims, lost)
+
+
+def _pooled_dims(mine: dict[str, DimSums], theirs: dict[str, DimSums]) -> dict[str, DimSums]:
+    """Two tallies' per-dimension sums as one, part by part."""
+    pooled = dict(mine)
+    for part, sums in theirs.items():
+        pooled[part] = pooled[part].plus(sums) if part in pooled else sums
+    return pooled
 
 
 _SUMS = ("err_sq", "ref_sq", "worst", "cos_sum")

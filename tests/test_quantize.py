@@ -240,6 +240,12 @@ def test_tally_matches_a_naive_computation(seeds: list[int]) -> None:
     for field in ("rel_rms", "worst_rel_rms", "mean_cosine", "min_cosine"):
         assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-9, abs=1e-12)
     assert Fidelity.from_json(got.to_json()) == got
+    err = sum(np.square(x - y).sum(0) for x, y in pairs)  # per dimension, over every row
+    ref = sum(np.square(x).sum(0) for x, _ in pairs)
+    lost = int(((np.sqrt(err / np.where(ref > 0, ref, 1)) > 0.5) & (ref > 0)).sum())
+    assert (got.dims, got.dims_lost) == (int((ref > 0).sum()), lost)
+    halves = FidelityTally.from_json(tally.to_json()).merged(FidelityTally())
+    assert halves.result() == got  # a part's record, pooled with an empty one, is the same
 
 
 def test_measured_error_orders_the_schemes() -> None:
@@ -368,6 +374,64 @@ def test_a_build_over_the_error_bound_says_so(
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr
     assert "over the bound of 1.00%" in cli.stderr and "fidelity" in cli.stdout
+
+
+class OutlierEncoder(nn.Module):
+    """TinyConvEncoder whose dimension 0 is ``gain`` times the others: a trained model's
+    outlier dimension (HuBERT's, an LLM's massive activations), which sets each row's scale."""
+
+    def __init__(self, gain: float = 1000.0) -> None:
+        super().__init__()
+        self.inner = TinyConvEncoder()
+        scale = torch.ones(64)
+        scale[0] = gain
+        self.register_buffer("scale", scale)
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return self.inner(wav) * self.scale
+
+
+def dims_lost_now(ds: CachedFeatureDataset, encoder: Path, clips: list[Path]) -> tuple[int, int]:
+    """(dimensions lost, dimensions) in what ``ds`` serves against the encoder run now: those
+    whose relative RMS error over every row of every item is over 50%."""
+    err, ref = torch.zeros(64, dtype=torch.float64), torch.zeros(64, dtype=torch.float64)
+    for i, clip in enumerate(clips):
+        live = live_features(encoder, clip, FLOAT).double()
+        err += (ds[i].double() - live).square().sum(0)
+        ref += live.square().sum(0)
+    return int(((err > 0.25 * ref) & (ref > 0)).sum()), int((ref > 0).sum())
+
+
+def test_dimensions_rounded_away_beside_an_outlier_are_counted_and_said(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """An encoder with one dimension 1,000 times the others, stored as int8: each row's scale
+    is the outlier's, and most other dimensions round to zero, while the whole error stays
+    small (the outlier holds the norm). The build counts the dimensions lost exactly as a
+    comparison of what is served with the encoder run now finds them, says so in one line
+    with what to store instead, and `roots` shows it; fp8 (a float code) loses none. Before,
+    the build reported under 1% error and said nothing."""
+    encoder = save_torchscript(OutlierEncoder(), tmp_path / "outlier.pt")
+    clips = sorted(audio_dir.rglob("*.wav"))
+    cache = tmp_path / "c"
+    report = build(audio_dir, encoder, cache=cache, recipe=Recipe(dtype="int8"), workers=0)
+    assert report.fidelity is not None and report.ok
+    measured = Fidelity.from_json(report.fidelity)
+    assert measured.rel_rms < 0.05 and measured.items == len(clips)  # under the bound: silent
+    ds = CachedFeatureDataset(audio_dir, encoder, cache=cache, recipe=Recipe(dtype="int8"),
+                              on_miss="error")  # fmt: skip
+    lost, dims = dims_lost_now(ds, encoder, clips)
+    assert (measured.dims_lost, measured.dims) == (lost, dims) and lost > dims // 2, measured
+    assert f"{lost} of {dims} feature dimensions are mostly rounding" in report.fidelity_warning
+    assert "--dtype fp8" in report.fidelity_warning
+    shown = invoke("roots", "--cache", cache)
+    assert f"{lost} of {dims} dimensions lost" in shown.stdout, shown.stdout
+    fp8 = build(audio_dir, encoder, cache=cache, recipe=Recipe(dtype="fp8"), workers=0)
+    assert fp8.fidelity is not None and Fidelity.from_json(fp8.fidelity).dims_lost == 0
+    assert "dimensions" not in fp8.fidelity_warning
+    ds = CachedFeatureDataset(audio_dir, encoder, cache=cache, recipe=Recipe(dtype="fp8"),
+                              on_miss="error")  # fmt: skip
+    assert dims_lost_now(ds, encoder, clips) == (0, dims)
 
 
 def test_bad_bounds_and_nonfinite_options_are_config_errors(

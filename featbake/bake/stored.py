@@ -11,7 +11,7 @@ import torch
 
 from featbake.bake.report import BuildReport
 from featbake.encode.outputs import stored_parts
-from featbake.quantize import Fidelity, ScaleSpan, dequantize, unpack
+from featbake.quantize import LOST_DIM, Fidelity, ScaleSpan, Scheme, dequantize, unpack
 from featbake.recipe import Recipe
 from featbake.store.catalog import BuildCatalog
 from featbake.store.fidelity import SERVED, Measured
@@ -107,7 +107,11 @@ class Compactor:
         if measured is None or (fidelity is None and not measured.span.known()):
             return
         report.fidelity = None if fidelity is None else fidelity.to_json()
-        notes = (over_bound(fidelity, max_error), served_note(measured))
+        notes = (
+            over_bound(fidelity, max_error),
+            dims_lost_note(fidelity, measured.scheme, max_error),
+            served_note(measured),
+        )
         report.fidelity_warning = "; ".join(n for n in notes if n)
         catalog.record_fidelity(report.root, measured, max_error)
 
@@ -125,6 +129,26 @@ def over_bound(fidelity: Fidelity | None, bound: float | None) -> str:
         f"the stored features are {fidelity.rel_rms:.2%} off the encoder's output (relative RMS "
         f"error over {fidelity.items} sampled items), over the bound of {bound:.2%}: store a "
         "wider dtype (--dtype int8 over fp8, or float16), or raise --max-error"
+    )
+
+
+def dims_lost_note(fidelity: Fidelity | None, scheme: Scheme, bound: float | None) -> str:
+    """A line saying some feature dimensions are lost to rounding (:data:`LOST_DIM`), whatever
+    the whole error says, or ``""`` (none lost, or no bound: ``--max-error`` unset).
+
+    Example:
+        >>> dims_lost_note(Fidelity(3, 0.03, 0.03, 0.99, 0.99, dims=768, dims_lost=767),
+        ...                Scheme.INT8, 0.05)[:46]
+        '767 of 768 feature dimensions are mostly round'
+    """
+    if fidelity is None or bound is None or not fidelity.dims_lost:
+        return ""
+    wider = "--dtype fp8 (its codes keep small values beside large ones) or float16"
+    return (
+        f"{fidelity.dims_lost} of {fidelity.dims} feature dimensions are mostly rounding error "
+        f"as stored (each over {LOST_DIM:.0%} relative RMS error over {fidelity.items} sampled "
+        "items: a few large dimensions set each row's scale, and the small ones round to "
+        f"zero): store {wider if scheme is Scheme.INT8 else 'float16'}"
     )
 
 
