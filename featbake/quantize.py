@@ -171,12 +171,13 @@ class FidelityTally:
         rows = (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
         ref = reference.detach().to("cpu", torch.float64).reshape(rows)
         got = stored.detach().to("cpu", torch.float64).reshape(rows)
-        err, norm = float((ref - got).square().sum()), float(ref.square().sum())
+        err_d, ref_d = (ref - got).square().sum(0), ref.square().sum(0)  # per dimension
+        err, norm = float(err_d.sum()), float(ref_d.sum())
         self.items += 1
         self.err_sq += err
         self.ref_sq += norm
         self.worst = max(self.worst, math.sqrt(err / norm) if norm > 0 else 0.0)
-        sums = DimSums((ref - got).square().sum(0).tolist(), ref.square().sum(0).tolist())
+        sums = DimSums(err_d.tolist(), ref_d.tolist())
         self.dims[part] = self.dims[part].plus(sums) if part in self.dims else sums
         ref_n, got_n = ref.norm(dim=-1), got.norm(dim=-1)
         rows = ref_n > 0  # a zero row has no direction (it is stored exactly)
