@@ -198,17 +198,14 @@ class HFTextEncoder(nn.Module):
 
 
 def _load_text_model(folder: Path) -> Any:  # a transformers PreTrainedModel
-    """The folder's text model; unexpected weights pass only where the folder's class is a head
-    model whose base featbake runs (a BertForMaskedLM download: its ``cls.*`` head is unused)."""
+    """The folder's text model; a head's weights pass (a BertForMaskedLM download: its
+    ``cls.*`` head is unused, see :func:`without_head_weights`)."""
     config = read_config(folder)
     name = text_class_name(config)
     model, info = _from_pretrained(folder, model_class=name)
     if only_pooler_missing(model, info):
         model, info = _from_pretrained(folder, model_class=name, add_pooling_layer=False)
-    architectures = config.get("architectures") or []
-    if architectures and architectures[0] != type(model).__name__:
-        info = {**info, "unexpected_keys": []}  # a head's weights, dropped: nothing random
-    check_loading_info(folder, info)
+    check_loading_info(folder, without_head_weights(model, info))
     if getattr(model, "main_input_name", None) != "input_ids":
         raise EncoderLoadError(
             f"{folder} holds a {type(model).__name__}, which does not take token ids; featbake "
@@ -444,7 +441,7 @@ def _load_model(folder: Path) -> Any:  # a transformers PreTrainedModel
     if only_pooler_missing(model, info):
         # Saved headless: load it so (no random head), and serve what the weights cover.
         model, info = _from_pretrained(folder, add_pooling_layer=False)
-    check_loading_info(folder, info)
+    check_loading_info(folder, without_head_weights(model, info))
     takes = getattr(model, "main_input_name", None)
     if takes not in ("input_values", "pixel_values") and vision_tower(model) is None:
         raise EncoderLoadError(
@@ -501,6 +498,23 @@ class WeightsMismatch(EncoderLoadError):
 
 #: Names shown per kind of mismatch before "... and N more".
 SHOWN_NAMES = 3
+
+
+def without_head_weights(model: Any, info: dict[str, Any]) -> dict[str, Any]:
+    """``info`` less the unexpected weights of a task head the saved class had and the loaded
+    base model lacks (Wav2Vec2ForCTC's ``lm_head``, BertForMaskedLM's ``cls``): featbake runs the
+    base, so dropping them changes no feature. An unexpected weight inside the model (a layer
+    the config lacks: ``encoder.layers.2``, with or without the ``wav2vec2.`` prefix) stays.
+    Before, a fine-tuned audio or image checkpoint (a CTC model) was refused as weights that
+    did not match their config."""
+    own = {name.split(".")[0] for name in model.state_dict()}
+    base = getattr(model, "base_model_prefix", "") or ""
+
+    def inside(name: str) -> bool:
+        return (name.removeprefix(f"{base}.") if base else name).split(".")[0] in own
+
+    unexpected = [n for n in info.get("unexpected_keys") or () if inside(str(n))]
+    return {**info, "unexpected_keys": unexpected}
 
 
 def check_loading_info(folder: Path, info: dict[str, Any]) -> None:

@@ -56,8 +56,10 @@ def save_model(
     mask: bool = True,
     normalize: bool = True,
     rate: int = 16000,
+    ctc: bool = False,
 ) -> Path:
-    """A seeded tiny audio model and its feature extractor, saved as a real model folder."""
+    """A seeded tiny audio model and its feature extractor, saved as a real model folder
+    (``ctc``: a wav2vec2 fine-tuned for CTC, its ``lm_head`` saved beside the base model)."""
     torch.manual_seed(0)
     if kind == "wavlm":
         config: Any = transformers.WavLMConfig(
@@ -68,7 +70,7 @@ def save_model(
         config = transformers.Wav2Vec2Config(
             **TINY, feat_extract_norm=norm, do_stable_layer_norm=stable
         )
-        model = transformers.Wav2Vec2Model(config)
+        model = (transformers.Wav2Vec2ForCTC if ctc else transformers.Wav2Vec2Model)(config)
     model.eval().save_pretrained(folder)
     transformers.Wav2Vec2FeatureExtractor(
         sampling_rate=rate, return_attention_mask=mask, do_normalize=normalize
@@ -377,6 +379,31 @@ def test_weights_that_do_not_cover_the_config_are_refused_with_their_names(
     res = invoke("build", "-e", folder, "-d", clips, "--cache", tmp_path / "s")
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 4 and len(lines) == 1 and f"{kind} (" in lines[0], res.stderr
+
+
+def test_a_checkpoint_fine_tuned_for_ctc_serves_its_base_models_features(
+    tmp_path: Path, clips: Path
+) -> None:
+    """A wav2vec2 fine-tuned for CTC (``Wav2Vec2ForCTC``, the commonest speech checkpoint) is
+    built through the CLI and served equal to transformers' own base model loaded from the
+    folder now (its ``lm_head`` unused); the same folder whose config asks fewer layers than
+    its weights hold is still refused by name. Before, the head's two weights were taken for a
+    config mismatch: "2 unexpected (lm_head.bias, lm_head.weight) ... would fill the gaps with
+    random values"."""
+    folder = save_model(tmp_path / "ctc", ctc=True)
+    res = invoke("build", "-e", folder, "-d", clips, "--cache", tmp_path / "s")
+    assert res.returncode == 0, res.stderr
+    ds = CachedFeatureDataset(clips, folder, cache=tmp_path / "s", on_miss="error")
+    assert len(ds) == 8
+    for i in range(len(ds)):
+        want = reference(folder, clips / ds.item_id(i)).last_hidden_state[0]
+        assert rel_error(ds[i], want) < 1e-3, ds.item_id(i)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightsMismatch, match=r"\d+ unexpected \(.*encoder\.layers\.") as err:
+        load_encoder(folder)
+    assert "lm_head" not in str(err.value)
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from featbake.bake.pipeline import build
-from featbake.encode.hf import HFTextEncoder, recipe_for_encoder
+from featbake.encode.hf import HFTextEncoder, WeightsMismatch, recipe_for_encoder
 from featbake.encode.hf_folders import tokenizer_libraries
 from featbake.encode.loaders import load_encoder
 from featbake.encode.outputs import encode_batch, encode_padded
@@ -713,6 +713,12 @@ def test_a_masked_lm_folder_serves_its_base_models_tokens(
             want = base(input_ids=torch.tensor([enc["input_ids"]])).last_hidden_state[0]
         assert set(ds[i]) == {"tokens"}
         assert rel_error(ds[i]["tokens"], want) < TOLERANCE
+    # A layer its config lacks is not a head: refused by name (before, dropped in silence)
+    config.num_hidden_layers -= 1
+    config.save_pretrained(folder)
+    with pytest.raises(WeightsMismatch, match=r"\d+ unexpected \(bert\.encoder\.layer\.|"
+                       r"\d+ unexpected \(encoder\.layer\."):  # fmt: skip
+        load_encoder(folder)
 
 
 def test_every_layer_of_a_t5_encoder(
