@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import inspect
 import json
 import os
 import sqlite3
@@ -1081,9 +1082,7 @@ class _Bake:
             return
         items = self.work_items(work)
         job = self.job(elsewhere)
-        done = elsewhere.engine.encode(job, items, self.progress)
-        if done.padding_failed:
-            self.padding_failed()
+        done = engine_encode(elsewhere.engine, job, items, self.progress, self.task_done)
         redo = self.padded_elsewhere(items, done)
         if redo:
             self.encode_padded_elsewhere(elsewhere, job, redo, done)
@@ -1092,6 +1091,14 @@ class _Bake:
         if theirs is not None:  # pooled with what converting stored features measured here
             self.compactor.measured = theirs if mine is None else mine.merged(theirs)
         self.compactor.record(self.report, self.catalog, self.options.max_error)
+
+    def task_done(self, part: PartResult) -> None:
+        """An engine task's result, as it arrives: a padding check it failed is recorded at
+        once. Before, the driver recorded it once every task had returned: a driver stopped
+        between (Ctrl-C, SIGTERM) left a record saying none had failed, and its rerun reused
+        what the other tasks stored padded."""
+        if part.padding_failed:
+            self.padding_failed()
 
     def padded_elsewhere(self, items: list[WorkItem], done: PartResult) -> list[WorkItem]:
         """What the engine's workers encode again alone once padding is known inexact (a
@@ -1551,10 +1558,16 @@ class Engine(Protocol):
         ...
 
     def encode(
-        self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
+        self,
+        job: EngineJob,
+        items: Sequence[WorkItem],
+        progress: ProgressFn | None,
+        each: Callable[[PartResult], None] | None = None,
     ) -> PartResult:
         """Encode ``items`` on the workers, each a :class:`PartEncoder` of ``job``; what they
-        did, added up. Raises the :class:`FeatbakeError` a worker raised (``--strict``)."""
+        did, added up. ``each`` is told every task's result as it arrives (optional: an
+        engine written before it existed takes three arguments, see :func:`engine_encode`).
+        Raises the :class:`FeatbakeError` a worker raised (``--strict``)."""
         ...
 
     def digester(self) -> Digester:
@@ -1567,6 +1580,22 @@ class Engine(Protocol):
         manifest: hashing is done before anything is encoded. Optional: an engine without it
         hashes in the build's process (:func:`engine_digester`)."""
         ...
+
+
+def engine_encode(
+    engine: Engine,
+    job: EngineJob,
+    items: Sequence[WorkItem],
+    progress: ProgressFn | None,
+    each: Callable[[PartResult], None],
+) -> PartResult:
+    """``engine``'s :meth:`Engine.encode`, ``each`` told every task's result as it arrives;
+    for an engine written before it could say so, the whole result once, at the end."""
+    if "each" in inspect.signature(engine.encode).parameters:
+        return engine.encode(job, items, progress, each=each)
+    done = engine.encode(job, items, progress)
+    each(done)
+    return done
 
 
 def engine_digester(engine: Engine) -> Digester:

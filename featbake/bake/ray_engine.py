@@ -469,9 +469,14 @@ class RayEngine:
         )
 
     def encode(
-        self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
+        self,
+        job: EngineJob,
+        items: Sequence[WorkItem],
+        progress: ProgressFn | None,
+        each: Callable[[PartResult], None] | None = None,
     ) -> PartResult:
-        """Encode ``items`` on the actor pool; what the tasks did, added up.
+        """Encode ``items`` on the actor pool; what the tasks did, added up, ``each`` told
+        every task's result as it arrives.
 
         Raises:
             FeatbakeError: what a worker raised (``--strict``: the first bad input).
@@ -492,7 +497,10 @@ class RayEngine:
             per_task = rows_per_task(len(rows), self.workers, self.rows_per_task)
             ds = self.on_actors(ray, ray.data.from_items(rows), PathActor, (job,), per_task)
             for result in _results(ds):
-                total.add(PartResult.from_json(result[RESULT]))
+                part = PartResult.from_json(result[RESULT])
+                total.add(part)
+                if each is not None:
+                    each(part)
                 _tick(progress, total, len(items))
         return total
 
@@ -606,11 +614,15 @@ class ConnectedEngine:
         yield self
 
     def encode(
-        self, job: EngineJob, items: Sequence[WorkItem], progress: ProgressFn | None
+        self,
+        job: EngineJob,
+        items: Sequence[WorkItem],
+        progress: ProgressFn | None,
+        each: Callable[[PartResult], None] | None = None,
     ) -> PartResult:
         """:meth:`RayEngine.encode`, once Ray is connected."""
         self.connecting.wait()
-        return self.engine.encode(job, items, progress)
+        return self.engine.encode(job, items, progress, each)
 
     def digester(self) -> Digester:
         """Digests on the cluster (:class:`ClusterDigests`) once Ray is connected: the build

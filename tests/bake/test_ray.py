@@ -26,6 +26,7 @@ from featbake.bake.pipeline import build
 from featbake.encode import fingerprints
 from featbake.encode.fingerprints import ContainerAsk, DigestAsk
 from featbake.errors import BuildIncomplete, ConfigError
+from featbake.progress import Progress
 from featbake.store.byteplace import BytePlace
 from featbake.store.catalog import Catalog
 from featbake.store.hash_cache import FileStat
@@ -307,6 +308,30 @@ def test_a_ray_rerun_encodes_again_alone_what_a_stopped_build_stored_padded(
     report = build(data, encoder, cache=store, batch_size=3, batching="padded",
                    engine=RayEngine(workers=1, rows_per_task=3))  # fmt: skip
     assert report.reused == 9 and "encoded again alone" in report.batching_note, report
+    assert_serves_alone(data, module, encoder, cache=store)
+
+
+def test_a_ray_driver_stopped_after_a_workers_padding_check_failed_leaves_that_recorded(
+    ray_cluster: dict[str, str], tmp_path: Path
+) -> None:
+    """A padded build on Ray, whose last task's check failed, stopped (Ctrl-C) as that task's
+    result arrived, before the driver had the other tasks' padded items encoded again: its
+    record says a check failed, so a plain rerun encodes them again alone, and every item is
+    served equal to the encoder run on it alone. Before, the driver recorded the failure only
+    once every task had returned: the record said none had failed, and the rerun, with
+    nothing to encode, kept what the other tasks stored padded."""
+    data, module = padding_clips(tmp_path / "clips"), LittlePaddingLeaks()
+    encoder, store = save_torchscript(module, tmp_path / "leaky.pt"), tmp_path / "store"
+
+    def stop(p: Progress) -> None:
+        if p.phase == "encode" and p.done >= 12:  # every task returned, none redone yet
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build(data, encoder, cache=store, batch_size=3, batching="padded", progress=stop,
+              engine=RayEngine(workers=1, rows_per_task=3))  # fmt: skip
+    report = build(data, encoder, cache=store, workers=0, batch_size=3, batching="padded")
+    assert report.ok and "encoded again alone" in report.batching_note, report
     assert_serves_alone(data, module, encoder, cache=store)
 
 
