@@ -17,6 +17,7 @@ from featbake.errors import StoreCorrupt
 from featbake.process import PerProcess
 from featbake.store.shard import (
     MAX_HEADER_BYTES,
+    ShardHeader,
     ShardReader,
     SpanCheck,
     VerifyMode,
@@ -146,13 +147,14 @@ class RangedShardReader(ShardReader):
         self._get = get
         self._size = size
         self.where = where
-        self.metadata, self.tensors = self._read_header()
+        header = self._read_header()
+        self.metadata, self.tensors = header.metadata, header.tensors
         self.version = self.metadata["format_version"]
         self._verified: set[str] = set()
         self._ahead: OrderedDict[int, Ahead] = OrderedDict()  # begin -> its asked bytes
         self._hinted: dict[int, Hinted] = {}  # begin -> a hinted span not asked yet
 
-    def _read_header(self) -> tuple[dict[str, str], dict[str, Any]]:
+    def _read_header(self, *, cut_ok: bool = False) -> ShardHeader:
         # most headers fit: one GET, not two (started ahead when a hint named the shard)
         head = self._head.result() if self._head is not None else self._get(0, HEADER_GUESS)
         self._head = None
@@ -164,7 +166,7 @@ class RangedShardReader(ShardReader):
         raw = head[8 : 8 + n] if len(head) >= 8 + n else self._get(8, n)
         if len(raw) != n:
             raise corrupt_shard(self.path, f"the header of {self.where} is cut short")
-        return parse_header(self.path, raw, 8 + n, self._size)
+        return parse_header(self.path, raw, 8 + n, self._size, cut_ok=cut_ok)
 
     def _read_bytes(self, begin: int, dest: Any) -> int:
         queue = _QUEUE.get()

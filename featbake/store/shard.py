@@ -313,6 +313,17 @@ class TensorInfo:
     crc: str | None
 
 
+@dataclass(frozen=True)
+class ShardHeader:
+    """A shard's header, checked against its file: its metadata, the tensors whose bytes lie
+    in the file, and the tensors it names whose bytes run past the file's end (``cut``: only
+    ever non-empty where a cut shard was asked for, see :func:`parse_header`)."""
+
+    metadata: dict[str, str]
+    tensors: dict[str, TensorInfo]
+    cut: tuple[str, ...] = ()
+
+
 # == shard_header ==================================================================================
 # A shard's file and header, checked before anything is read: only a regular file, every field
 # against the file.
@@ -378,12 +389,17 @@ def _file_kind(mode: int) -> str:
 
 
 def parse_header(
-    path: Path, raw: bytes, base: int, size: int
-) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+    path: Path, raw: bytes, base: int, size: int, *, cut_ok: bool = False
+) -> ShardHeader:
     """The metadata and tensor table of a shard whose JSON header is ``raw``.
 
     ``base`` is the file offset where data starts and ``size`` the file's size: every tensor's
     byte range must lie inside the data, and its dtype and shape must fill that range exactly.
+
+    ``cut_ok`` is for repair's salvage alone: a file cut short (a disk that filled mid-copy,
+    an interrupted rsync) then parses, its table holding only the tensors whose bytes end at
+    or before the file's end and ``cut`` naming the others. Every other reader refuses it, so
+    a cut shard is never served before repair.
 
     Raises:
         StoreCorrupt: anything about the header is not what featbake writes.
@@ -410,10 +426,17 @@ def parse_header(
         )
     sums = _checksums(path, meta.get("checksums", "{}"))
     infos = {
-        name: tensor_info(path, name, entry, base, size, sums.get(name))
+        name: tensor_info(path, name, entry, base, size, sums.get(name), cut_ok=cut_ok)
         for name, entry in header.items()
     }
-    return meta, infos
+    return _within(meta, infos, size) if cut_ok else ShardHeader(meta, infos)
+
+
+def _within(meta: dict[str, str], infos: dict[str, TensorInfo], size: int) -> ShardHeader:
+    """The header of a file of ``size`` bytes that may be cut short: the tensors whose bytes
+    all lie in it, and the names of those whose bytes run past its end."""
+    whole = {name: info for name, info in infos.items() if info.end <= size}
+    return ShardHeader(meta, whole, tuple(sorted(name for name in infos if name not in whole)))
 
 
 def _checksums(path: Path, text: str) -> dict[str, str]:
@@ -427,9 +450,17 @@ def _checksums(path: Path, text: str) -> dict[str, str]:
 
 
 def tensor_info(
-    path: Path, name: str, entry: Any, base: int, size: int, crc: str | None
+    path: Path,
+    name: str,
+    entry: Any,
+    base: int,
+    size: int,
+    crc: str | None,
+    *,
+    cut_ok: bool = False,
 ) -> TensorInfo:
-    """One header entry, checked: a known dtype, a shape that fills its byte range in the file.
+    """One header entry, checked: a known dtype, a shape that fills its byte range in the file
+    (with ``cut_ok``, a range that may run past the file's end: :func:`parse_header`).
 
     Written for speed as well as safety: a shard of 8,192 tensors is parsed in a few ms.
     """
@@ -449,7 +480,7 @@ def tensor_info(
         if type(dim) is not int or dim < 0:
             raise corrupt_shard(path, f"tensor {name!r} has an invalid shape")
         nbytes *= dim
-    if base + end > size:
+    if base + end > size and not cut_ok:
         raise corrupt_shard(path, f"truncated: {size} bytes, header promises more")
     if nbytes != end - begin:
         raise corrupt_shard(path, f"tensor {name!r}: shape {shape} does not fit its byte range")
@@ -870,17 +901,32 @@ class ShardReader:
     #: bucket's ranged reader reads them over HTTP and says False).
     reads_descriptor: ClassVar[bool] = True
 
+    #: Tensors the header names whose bytes run past the end of a file cut short (opened with
+    #: ``cut_ok``; otherwise a cut file is refused and this stays empty).
+    cut: tuple[str, ...] = ()
+
     def __init__(
-        self, path: str | os.PathLike[str], verify: VerifyMode | str = VerifyMode.FIRST
+        self,
+        path: str | os.PathLike[str],
+        verify: VerifyMode | str = VerifyMode.FIRST,
+        *,
+        cut_ok: bool = False,
     ) -> None:
+        """Open the shard at ``path`` and check its header against the file.
+
+        ``cut_ok`` is for repair's salvage alone (see :func:`parse_header`): a file cut short
+        opens, holding only the tensors wholly before the cut (each still checked when read),
+        and :attr:`cut` names the rest. Without it such a file is :class:`StoreCorrupt`.
+        """
         self.path = Path(path)
         self.verify = VerifyMode.parse(verify)
         self._fd = open_regular(self.path)
         try:
-            self.metadata, self.tensors = self._read_header()
+            header = self._read_header(cut_ok=cut_ok)
         except BaseException:
             os.close(self._fd)
             raise
+        self.metadata, self.tensors, self.cut = header.metadata, header.tensors, header.cut
         self.version = self.metadata["format_version"]
         self._verified: set[str] = set()
         self._guard = threading.Lock()
@@ -929,7 +975,7 @@ class ShardReader:
             "it open until the read is done"
         )
 
-    def _read_header(self) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+    def _read_header(self, *, cut_ok: bool = False) -> ShardHeader:
         try:
             size = os.fstat(self._fd).st_size
             head = os.pread(self._fd, 8, 0)
@@ -943,7 +989,7 @@ class ShardReader:
             raise StoreError(f"cannot read shard {self.path}: {e.strerror or e}") from e
         if len(raw) != n:
             raise corrupt_shard(self.path, "the header is cut short")
-        return parse_header(self.path, raw, 8 + n, size)
+        return parse_header(self.path, raw, 8 + n, size, cut_ok=cut_ok)
 
     @property
     def checksums_bind_header(self) -> bool:

@@ -261,6 +261,36 @@ def test_a_truncated_shard_is_detected(layout: Layout) -> None:
             ShardReader(shard.path)
 
 
+def test_a_cut_shard_opens_only_with_cut_ok_holding_just_its_whole_tensors_each_checked(
+    layout: Layout,
+) -> None:
+    """Repair's salvage reads a shard cut short (a disk that filled mid-copy) with ``cut_ok``:
+    only the tensors whose bytes end at or before the cut, each still checked; every other
+    reader refuses the file as before."""
+    tensors = _sample()
+    shard = write_shard(layout, tensors, EFP, RFP)
+    full = shard.path.read_bytes()
+    with ShardReader(shard.path) as whole:
+        k1_end = whole.tensors["k1"].end
+        assert whole.cut == () and whole.tensors["k2/hidden"].begin == k1_end
+    for cut in (k1_end, k1_end + 1):  # at k1's last byte, and inside k2/hidden
+        shard.path.write_bytes(full[:cut])
+        with pytest.raises(StoreCorrupt, match="truncated"):
+            ShardReader(shard.path)
+        with ShardReader(shard.path, verify="always", cut_ok=True) as r:
+            assert set(r.tensors) == {"k1"} and r.cut == ("k2/hidden", "k2/pooled")
+            assert torch.equal(r.read("k1"), tensors["k1"])
+    flipped = bytearray(full[:k1_end])
+    flipped[k1_end - 1] ^= 0x01
+    shard.path.write_bytes(bytes(flipped))
+    with ShardReader(shard.path, cut_ok=True) as r, pytest.raises(StoreCorrupt, match="checksum"):
+        r.read("k1")
+    for cut in (_data_start(shard.path) - 1, 5):  # the header itself cut: nothing to parse
+        shard.path.write_bytes(full[:cut])
+        with pytest.raises(StoreCorrupt, match="damaged"):
+            ShardReader(shard.path, cut_ok=True)
+
+
 def test_a_zeroed_tail_is_detected(layout: Layout) -> None:
     """A shard cut short by SIGKILL and padded with zeros (safetensors loads it silently)."""
     shard = write_shard(layout, _sample(), EFP, RFP)
