@@ -18,8 +18,9 @@ import sqlite3
 import time
 from collections.abc import Callable, Mapping
 from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
 from featbake.keys import feature_key, sha256_file
@@ -66,6 +67,9 @@ from featbake.upkeep.files import (
     read_manifest,
     rebuild_pending,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 # == verify_catalog ================================================================================
@@ -602,11 +606,28 @@ def _holds(path: Path, digest: str) -> bool:
 
 
 # -- 1: intact tensors of damaged shards salvaged -----------------------------------------------
-class Salvage(NamedTuple):
-    """What repair copied out of one damaged shard, and how many tensors it could not prove."""
+@dataclass(frozen=True)
+class Salvage:
+    """What repair copied out of one damaged shard, how many tensors it could not prove, and
+    how many lay past the end of a shard cut short (lost: a build computes them again)."""
 
     shard: SealedShard | None
     unproven: int = 0
+    cut: int = 0
+
+
+@dataclass(frozen=True)
+class Copied:
+    """The tensors read out of one damaged shard that passed their checksum (``tensors``), the
+    names of those that could not be copied (``lost``: failed, unproven, unreadable or past a
+    cut; a key missing any of its tensors is dropped whole) and the shard's fingerprints."""
+
+    tensors: dict[str, torch.Tensor]
+    lost: frozenset[str]
+    unproven: int
+    cut: int
+    encoder_fp: str
+    recipe_fp: str
 
 
 #: shard name -> tensor name -> (dtype, shape) as the catalog recorded them when it was sealed.
@@ -644,30 +665,57 @@ def _provable(reader: ShardReader, tensors: list[str], vouched: dict) -> list[st
     ]
 
 
+def _candidates(c: ShardCheck, reader: ShardReader) -> list[str]:
+    """The tensors repair tries to copy out of ``c``: those the scan found intact; for a file
+    the scan could not open because it is cut short, every tensor wholly before the cut (the
+    reader, opened with ``cut_ok``, holds just those). Nothing for a file that opens whole now
+    although the scan could not open it: it changed since, and nothing about it is proven."""
+    if c.entries:
+        return list(c.intact)
+    return list(reader.tensors) if reader.cut else []
+
+
+def _copy(c: ShardCheck, reader: ShardReader, vouched: dict) -> Copied:
+    """Read every tensor of ``c`` that repair may copy, each checked against its checksum."""
+    named = _candidates(c, reader)
+    proven = _provable(reader, named, vouched)
+    tensors = {}
+    for t in proven:
+        with contextlib.suppress(StoreCorrupt):
+            tensors[t] = reader.read(t)
+    meta = reader.metadata
+    return Copied(
+        tensors,
+        frozenset((*c.failed, *reader.cut, *(set(named) - set(tensors)))),
+        len(named) - len(proven),
+        len(reader.cut),
+        meta.get("encoder_fp", ""),
+        meta.get("recipe_fp", ""),
+    )
+
+
 def salvage(layout: Layout, c: ShardCheck, vouched: dict | None = None) -> Salvage:
     """Copy the tensors of a damaged shard that pass their checksum into a fresh shard.
 
     A key is kept only whole: serving some outputs of a multi-output feature would be wrong.
     Nothing is copied that cannot be proven: a format-1 tensor (bytes-only checksum) only where
     ``vouched`` (the catalog's record, see :func:`catalog_vouches`) gives its dtype and shape.
+    A file cut short (a disk that filled mid-copy, an interrupted rsync) gives up only the
+    tensors whose bytes run past its end: it is read with ``cut_ok``, here and nowhere else.
     """
-    if not c.intact or not c.encoder_fp:
+    if c.entries and (not c.intact or not c.encoder_fp):
         return Salvage(None)
-    tensors = {}
     try:
-        with ShardReader(c.path, verify="always") as reader:
-            proven = _provable(reader, list(c.intact), vouched or {})
-            for t in proven:
-                with contextlib.suppress(StoreCorrupt):
-                    tensors[t] = reader.read(t)
+        with ShardReader(c.path, verify="always", cut_ok=True) as reader:
+            copied = _copy(c, reader, vouched or {})
     except (StoreError, OSError, *HOSTILE_HEADER_ERRORS):
         return Salvage(None)  # changed since the scan: nothing provable to copy
-    unproven = len(c.intact) - len(proven)
-    broken = {split_tensor_name(t)[0] for t in (*c.failed, *(set(c.intact) - set(tensors)))}
-    tensors = {t: v for t, v in tensors.items() if split_tensor_name(t)[0] not in broken}
-    if not tensors:
-        return Salvage(None, unproven)
-    return Salvage(write_shard(layout, tensors, c.encoder_fp, c.recipe_fp), unproven)
+    broken = {split_tensor_name(t)[0] for t in copied.lost}
+    kept = {t: v for t, v in copied.tensors.items() if split_tensor_name(t)[0] not in broken}
+    if not kept or not copied.encoder_fp:
+        return Salvage(None, copied.unproven, copied.cut)
+    sealed = write_shard(layout, kept, copied.encoder_fp, copied.recipe_fp)
+    return Salvage(sealed, copied.unproven, copied.cut)
 
 
 def _salvage_all(
@@ -675,13 +723,18 @@ def _salvage_all(
 ) -> tuple[list[SealedShard], RepairOutcome]:
     """The fresh shards salvage wrote from the damaged shards ``bad``, and what it did."""
     shards, out = [], RepairOutcome()
-    vouched = catalog_vouches(scan, {c.name for c in bad if c.intact})
+    vouched = catalog_vouches(scan, {c.name for c in bad})
     for c in bad:
         s = salvage(scan.layout, c, vouched.get(c.name))
         if s.unproven:
             out.actions.append(
                 f"did not salvage {s.unproven} tensors of {c.name}: its format-1 checksums cover "
                 "the bytes only, and the catalog cannot prove their dtype and shape"
+            )
+        if s.cut:
+            out.actions.append(
+                f"shard {c.name} is cut short: {s.cut} tensors past its end are lost; "
+                "`featbake build` computes them again"
             )
         if s.shard is not None:
             shards.append(s.shard)

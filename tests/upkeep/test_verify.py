@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from featbake.errors import FeatbakeError, StoreCorrupt, StoreError
+from featbake.errors import CacheMiss, FeatbakeError, StoreCorrupt, StoreError
 from featbake.keys import feature_key
 from featbake.progress import Progress
 from featbake.serve.dataset import CachedFeatureDataset
@@ -41,7 +41,7 @@ from featbake.upkeep import (
     verify,
 )
 from featbake.upkeep.check import check_hash_cache
-from tests.conftest import invoke, live_features
+from tests.conftest import invoke, live_features, run_cli
 from tests.helpers import Live, assert_serves, bake, fails_after, manifest, printed, shard_files
 
 
@@ -60,6 +60,17 @@ def _flip_data_byte(path: Path, tensor: str) -> None:
 def _keys_in(path: Path) -> set[str]:
     with ShardReader(path) as r:
         return {name.partition("/")[0] for name in r.tensors}
+
+
+def _key_ends(path: Path) -> dict[str, int]:
+    """Each key of a sound shard and the file offset where the last of its tensors' bytes end:
+    a cut at ``n`` bytes leaves a key whole exactly when its end is at most ``n``."""
+    ends: dict[str, int] = {}
+    with ShardReader(path) as r:
+        for name, info in r.tensors.items():
+            key = name.partition("/")[0]
+            ends[key] = max(ends.get(key, 0), info.end)
+    return ends
 
 
 def test_clean_store_is_clean(encoder_file: Path, audio_dir: Path, store_dir: Path) -> None:
@@ -112,13 +123,16 @@ def test_mayhem_deleted_truncated_flipped_shards_and_no_catalog(
     files = sorted(shard_files(store_dir))
     assert len(files) >= 6
     deleted, truncated, flipped = files[0], files[2], files[4]
-    lost = _keys_in(deleted) | _keys_in(truncated)
+    cut = truncated.stat().st_size // 2
+    past_cut = {key for key, end in _key_ends(truncated).items() if end > cut}
+    assert past_cut and past_cut != _keys_in(truncated)  # the cut falls among its keys
+    lost = _keys_in(deleted) | past_cut  # what lay wholly before the cut is salvaged
     flipped_key = sorted(_keys_in(flipped))[0]
     with ShardReader(flipped) as r:
         flipped_tensor = next(t for t in r.tensors if t.startswith(flipped_key))
     deleted.unlink()
     with open(truncated, "r+b") as f:
-        f.truncate(truncated.stat().st_size // 2)
+        f.truncate(cut)
     _flip_data_byte(flipped, flipped_tensor)
     for suffix in ("", "-wal", "-shm"):
         Path(f"{store_dir}/catalog.sqlite{suffix}").unlink(missing_ok=True)
@@ -140,6 +154,70 @@ def test_mayhem_deleted_truncated_flipped_shards_and_no_catalog(
     bake(audio_dir, multi_encoder_file, store_dir, shard_bytes=40_000)
     assert assert_serves(store_dir, one.root, audio_dir, encoder_file, live) == 16
     assert assert_serves(store_dir, two.root, audio_dir, multi_encoder_file, live) == 16
+
+
+def _refusals(
+    ds: CachedFeatureDataset, encoder: Path, keys: dict[Path, str]
+) -> dict[str, FeatbakeError]:
+    """What the dataset refused, by key (a miss, a damaged shard); every item it served is
+    checked here to equal ``encoder`` run now on its file."""
+    out = {}
+    for i in range(len(ds)):
+        path = Path(ds.path(i))
+        try:
+            got = ds[i]
+        except FeatbakeError as e:
+            out[keys[path]] = e
+            continue
+        torch.testing.assert_close(got, live_features(encoder, path), rtol=1e-5, atol=1e-6)
+    return out
+
+
+def test_a_shard_cut_short_is_salvaged_up_to_the_cut_and_never_served_before_repair(
+    encoder_file: Path, audio_dir: Path, store_dir: Path
+) -> None:
+    """A shard file cut short (a disk that filled mid-copy, an interrupted rsync) is refused
+    by every read until ``verify --repair``, which keeps each feature whose bytes lie wholly
+    before the cut (it lost all of them before) and quarantines the file; a build then
+    encodes exactly the features past the cut."""
+    report = bake(audio_dir, encoder_file, store_dir, shard_bytes=150_000)
+    victim = max(shard_files(store_dir), key=lambda p: len(_keys_in(p)))
+    ends = _key_ends(victim)
+    cut = victim.stat().st_size * 6 // 10
+    whole = {k for k, end in ends.items() if end <= cut}
+    past = set(ends) - whole
+    assert len(whole) >= 2 and past, (cut, ends)
+    os.truncate(victim, cut)
+    keys = {audio_dir / rel: key for rel, key in manifest(store_dir, report.root)}
+
+    with closing(
+        CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    ) as ds:
+        before = _refusals(ds, encoder_file, keys)
+    assert set(before) == set(ends), before  # never the cut shard's bytes, the rest as live
+    assert all(isinstance(e, StoreCorrupt) for e in before.values()), before
+
+    fixed = run_cli("verify", "--repair", "--json", "--cache", store_dir)
+    assert fixed.returncode == VERIFY_REPAIRED, fixed.stdout + fixed.stderr
+    assert "Traceback" not in fixed.stdout + fixed.stderr
+    done = json.loads(fixed.stdout)
+    assert done["status"] == "repaired" and done["features_salvaged"] == len(whole), done
+    assert done["features_lost"] == len(past), done
+    assert any(f"{len(past)} tensors past its end are lost" in a for a in done["actions"]), done
+    assert (store_dir / "quarantine" / victim.name).exists() and not victim.exists()
+    assert verify(store_dir).status == "clean"
+
+    with closing(
+        CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    ) as ds:
+        after = _refusals(ds, encoder_file, keys)
+    assert set(after) == past, after  # what lay before the cut is served, as encoded now
+    assert all(isinstance(e, CacheMiss) for e in after.values()), after
+    assert bake(audio_dir, encoder_file, store_dir, shard_bytes=150_000).encoded == len(past)
+    with closing(
+        CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    ) as ds:
+        assert _refusals(ds, encoder_file, keys) == {}
 
 
 def test_deleting_the_catalog_and_repairing_restores_everything(
