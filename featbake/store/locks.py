@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,6 +74,23 @@ def locked(path: Path, *, shared: bool = False, wait: float | None = None) -> It
             yield lock.fd
         finally:
             lock.close()  # closing the descriptor releases the lock (a forked child's: nothing)
+
+
+@contextlib.contextmanager
+def alone(path: Path, says: str, category: type[Warning]) -> Iterator[None]:
+    """Hold the lock of the file at ``path`` alone for the block (:func:`locked`), one run of
+    a kind at a time (a merge, a gc); where another run holds it, warn once with ``says`` as a
+    ``category`` warning that this one waits for it (a long run: a wait in silence looks like
+    a hang), then wait for it. A file that cannot be created runs the block unlocked, as
+    :func:`locked` does."""
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(locked(path, wait=0))
+        except TimeoutError:
+            # 4: this generator, contextlib's __enter__, the run taking the lock, its caller.
+            warnings.warn(says, category, stacklevel=4)
+            held.enter_context(locked(path))
+        yield
 
 
 def _take(lock: LockFile, path: Path, *, shared: bool, wait: float | None) -> None:

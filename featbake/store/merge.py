@@ -34,8 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,7 +55,7 @@ from featbake.store.fragments import (
 )
 from featbake.store.hash_cache import HashCacheRow
 from featbake.store.layout import Layout
-from featbake.store.locks import locked
+from featbake.store.locks import alone
 from featbake.store.roots import read_undecodable, write_undecodable
 
 
@@ -175,23 +174,15 @@ def merge(
         return _merged(layout, between, skip_damaged)
 
 
-@contextlib.contextmanager
-def merging_alone(layout: Layout) -> Iterator[None]:
+def merging_alone(layout: Layout) -> contextlib.AbstractContextManager[None]:
     """Hold the store's merge lock; where another merge holds it, say once that this one
-    waits for it (a long merge: a wait in silence looks like a hang), then wait."""
-    path = layout.root / MERGE_LOCK
-    with contextlib.ExitStack() as held:
-        try:
-            held.enter_context(locked(path, wait=0))
-        except TimeoutError:
-            warnings.warn(
-                f"another merge of {layout.root} is running; this one waits for it to finish, "
-                "then merges what is left",
-                MergeWaitWarning,
-                stacklevel=4,
-            )
-            held.enter_context(locked(path))
-        yield
+    waits for it (a long merge: a wait in silence looks like a hang), then wait (:func:`alone`)."""
+    return alone(
+        layout.root / MERGE_LOCK,
+        f"another merge of {layout.root} is running; this one waits for it to finish, "
+        "then merges what is left",
+        MergeWaitWarning,
+    )
 
 
 class MergeWaitWarning(UserWarning):
