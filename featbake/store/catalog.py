@@ -1424,6 +1424,18 @@ class UpkeepRows(CatalogConnection):
         rows = self.conn.execute(f"SELECT {', '.join(ShardRow.COLUMNS)} FROM shards ORDER BY id")
         return [ShardRow(*r) for r in rows]
 
+    def shard_row(self, shard_id: int) -> ShardRow | None:
+        """The row of shard ``shard_id``; None where none has that id (deleted since)."""
+        row = self.conn.execute(
+            f"SELECT {', '.join(ShardRow.COLUMNS)} FROM shards WHERE id=?", (shard_id,)
+        ).fetchone()
+        return None if row is None else ShardRow(*row)
+
+    def shard_id(self, name: str) -> int | None:
+        """The id of the shard named ``name``; None where no row names it."""
+        row = self.conn.execute("SELECT id FROM shards WHERE name=?", (name,)).fetchone()
+        return None if row is None else int(row[0])
+
     def shard_usage(self) -> dict[int, ShardUsage]:
         """shard id -> (feature rows, their bytes, their latest use), from the covering index.
 

@@ -47,6 +47,7 @@ from featbake.store.catalog import (
     Access,
     Catalog,
     FeatureRef,
+    ShardFeature,
     ShardRow,
     ShardUsage,
     access_for,
@@ -680,8 +681,10 @@ class GcResult:
     ``shards_deleted`` counts every shard file or object deleted, ``orphans_removed`` those of
     them the sweep took (nothing named them); ``young_shards`` are unnamed shards kept until
     they pass the place's age; ``versions_deleted`` retired catalog versions (a bucket);
-    ``published``: the catalog changed (in a bucket: a new version). Each step of a run returns
-    its own GcResult; the run adds them up (``+``).
+    ``published``: the catalog changed (in a bucket: a new version); ``shards_passed_over``:
+    shards the plan rewrites that another gc had already rewritten or removed when this one
+    came to them (another node's gc of a bucket store; nothing is wrong, so no problem is
+    named). Each step of a run returns its own GcResult; the run adds them up (``+``).
     """
 
     roots_dropped: list[str] = field(default_factory=list)
@@ -697,6 +700,7 @@ class GcResult:
     published: bool = False
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    shards_passed_over: int = 0
 
     def __add__(self, other: GcResult) -> GcResult:
         added = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
@@ -891,6 +895,7 @@ class CompactionResult:
     features_moved: int = 0
     bytes_written: int = 0
     problems: list[str] = field(default_factory=list)
+    passed_over: int = 0  # planned shards another gc rewrote or removed meanwhile
 
     def as_result(self) -> GcResult:
         """Its share of the run's result (the bytes it wrote count against those freed)."""
@@ -899,6 +904,7 @@ class CompactionResult:
             features_moved=self.features_moved,
             bytes_freed=-self.bytes_written,
             problems=list(self.problems),
+            shards_passed_over=self.passed_over,
         )
 
 
@@ -945,11 +951,23 @@ class Compaction:
     def _commit(self, shard: SealedShard) -> None:
         crash_point("compact-sealed")
         moved = [(e.key, e.part, self._pending.pop((e.key, e.part))) for e in shard.entries]
-        self.out.features_moved += self.catalog.commit_moved(shard, moved)
+        n = self.catalog.commit_moved(shard, moved)
+        if n == 0:  # every row moved or went meanwhile: the new shard would hold only garbage
+            self._forget(shard.name)
+            return
+        self.out.features_moved += n
         self.out.shards_written += 1
         self.out.bytes_written += shard.nbytes
         self.out.written.add(shard.name)
         crash_point("compact-committed")
+
+    def _forget(self, name: str) -> None:
+        """Remove a shard this compaction sealed that no row came to name: its catalog row,
+        then its file (each only while nothing names it: a byte-identical shard sealed by
+        another writer under the same name keeps both)."""
+        sid = self.catalog.shard_id(name)
+        if sid is not None and self.catalog.delete_shards_if_empty([sid]):
+            self.catalog.unlink_shard_file(name)
 
     def _group(self, enc_fp: str, rec_fp: str, shards: list[ShardRow]) -> None:
         opts = self.plan.options
@@ -962,8 +980,15 @@ class Compaction:
             on_seal=self._commit,
         ) as writer:
             for s in shards:
+                rows = self._rows_still_planned(s)
+                if rows is None:
+                    self.out.passed_over += 1  # rewritten or removed since the plan: no problem
+                    continue
+                if not rows:  # every row went since the plan: deleted as empty, nothing written
+                    self.out.emptied.append(s.id)
+                    continue
                 try:
-                    parts = self._read_live(s)
+                    parts = self._read_live(s, rows)
                 except (StoreCorrupt, ShardMissing) as e:
                     self.out.problems.append(f"skipped shard {s.name}: {e}")
                     continue
@@ -973,9 +998,17 @@ class Compaction:
                     writer.add(key, tensors)
                 self.out.emptied.append(s.id)
 
-    def _read_live(self, shard: ShardRow) -> dict[str, dict[str, Any]]:
-        """The tensors of a shard that rows still name, checksummed (never copy garbage)."""
-        rows = self.catalog.features_of_shard(shard.id)
+    def _rows_still_planned(self, shard: ShardRow) -> list[ShardFeature] | None:
+        """The rows pointing into ``shard`` now; None where the catalog no longer has the shard
+        the plan named (another gc rewrote or removed it since: its id may even name a newer
+        shard by now, ids being reused)."""
+        now = self.catalog.shard_row(shard.id)
+        if now is None or now.name != shard.name:
+            return None
+        return self.catalog.features_of_shard(shard.id)
+
+    def _read_live(self, shard: ShardRow, rows: list[ShardFeature]) -> dict[str, dict[str, Any]]:
+        """The tensors of ``rows`` (those still in ``shard``), checksummed (never copy garbage)."""
         out: dict[str, dict[str, Any]] = defaultdict(dict)
         with ShardReader(self.layout.shard_path(shard.name), verify="always") as reader:
             for key, part, _, _, _ in rows:
