@@ -29,6 +29,7 @@ The crash tests kill gc between steps at the named points of :data:`CRASH_POINTS
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -58,7 +59,7 @@ from featbake.store.claims import claimed_keys, claims_closed
 from featbake.store.files import fsync_dir, remove_file
 from featbake.store.fragments import serving_uses, waiting_keys
 from featbake.store.layout import Layout, checked_shard_name
-from featbake.store.locks import shared_write_lock
+from featbake.store.locks import alone, shared_write_lock
 from featbake.store.open import Need, StoreRef, open_catalog, open_store, place_of
 from featbake.store.place import Change, Held, Sweep
 from featbake.store.roots import Root
@@ -722,14 +723,16 @@ def gc(
     **place: Any,
 ) -> GcResult:
     """Run gc on the store at ``cache``, whatever its place: plan -> commit -> sweep (see the
-    module docstring). ``featbake gc`` calls this.
+    module docstring). ``featbake gc`` calls this. A run holds the store's gc lock from its plan
+    to its sweep (:func:`gc_alone`): a second gc waits, saying so once, then plans afresh.
 
     Args:
         cache: a directory, ``s3://bucket/prefix``, or a store's :class:`Layout`.
         options: thresholds, budgets and ages (:class:`GcOptions`).
         now: the time "now" (tests pass one to age things without waiting).
         drop: names of roots to drop besides those ``older_than`` selects.
-        dry_run: plan only; the result says what the run would do.
+        dry_run: plan only; the result says what the run would do. It neither takes the gc
+            lock nor waits for a gc that holds it: it shows the store as it is now.
         progress: called with :class:`GcProgress` of each step.
         on_plan: called with the frozen plan before anything changes (the CLI prints it).
         place: :func:`open_store`'s ``local_cache`` and ``local_cache_size`` (a bucket
@@ -742,14 +745,56 @@ def gc(
         >>> gc("s3://team/features", GcOptions(older_than=30 * 86400))  # doctest: +SKIP
     """
     layout = open_store(cache, need=Need.STORE, **place)
-    if not dry_run:
-        if layout.remote is None and access_for(layout) is not Access.READ_WRITE:
-            raise read_only_here(layout)  # before the plan is shown as if it would run
+    if dry_run:  # reads only: it neither waits for a gc that runs nor holds one up
+        return planned_result(_shown_plan(layout, options, now, drop, on_plan))
+    if layout.remote is None and access_for(layout) is not Access.READ_WRITE:
+        raise read_only_here(layout)  # before the plan is shown as if it would run
+    # One gc at a time: a second, planning beside the first, carried out a plan the first had
+    # made stale (shards gone: "run verify --repair"; evictions of rows moved meanwhile: the
+    # budget missed). It waits, then plans what is left.
+    with gc_alone(layout):
         place_of(layout).settle()
+        return execute_gc(_shown_plan(layout, options, now, drop, on_plan), progress)
+
+
+def _shown_plan(
+    layout: Layout,
+    options: GcOptions | None,
+    now: float | None,
+    drop: Iterable[str],
+    on_plan: Callable[[GcPlan], None] | None,
+) -> GcPlan:
+    """The plan made now (:func:`plan_gc`), handed to ``on_plan`` (the CLI prints it)."""
     plan = plan_gc(layout, options, now=now, drop=drop)
     if on_plan is not None:
         on_plan(plan)
-    return planned_result(plan) if dry_run else execute_gc(plan, progress)
+    return plan
+
+
+#: ``<store>/gc.lock`` (a bucket store's: in the node's local cache): held by a gc for its run.
+GC_LOCK = "gc.lock"
+
+
+class GcWaitWarning(UserWarning):
+    """A gc waits for another gc of the same store (:func:`gc_alone`)."""
+
+
+def gc_alone(layout: Layout) -> contextlib.AbstractContextManager[None]:
+    """Hold the store's gc lock for a whole run; where another gc holds it, say once that this
+    one waits for it, then wait (:func:`~featbake.store.locks.alone`).
+
+    A directory store's lock is ``<store>/gc.lock``. A bucket store's is in this node's local
+    cache (``layout.root``): gc runs on one node take turns, and gc runs on two nodes race to
+    publish the next catalog version as two merges do (the loser runs its steps again on the
+    newer version, each re-checking what it deletes)."""
+    where = str(place_of(layout))
+    if layout.remote is not None:
+        where += f" on this node (local cache {layout.root})"
+    return alone(
+        layout.root / GC_LOCK,
+        f"another gc of {where} is running; this one waits for it to finish, then plans afresh",
+        GcWaitWarning,
+    )
 
 
 def planned_result(plan: GcPlan) -> GcResult:
