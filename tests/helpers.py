@@ -192,6 +192,17 @@ def age(path: Path, seconds: float) -> None:
     os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds))
 
 
+def change_every_other_clip(audio: Path, seed: int = 7_000) -> None:
+    """Write new sound into every other clip of ``audio`` (in path order): rebuilt, each shard
+    of the earlier build holds garbage (the old features) beside live rows."""
+    import soundfile
+
+    from featbake.testing import make_tone
+
+    for i, wav in enumerate(sorted(audio.rglob("*.wav"))[1::2]):
+        soundfile.write(wav, make_tone(0.6, seed=seed + i), 16_000)
+
+
 # == builds (test_build, test_cli_build, test_merge, test_ranks, test_padded, test_hf) ==========
 
 

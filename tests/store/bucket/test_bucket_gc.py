@@ -6,10 +6,15 @@ are one algorithm over a place: the same tests run on a directory and on a bucke
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +22,7 @@ import torch
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError
+from featbake.progress import GcProgress
 from featbake.store.bucket import shard_object
 from featbake.store.catalog import open_sqlite
 from featbake.store.hash_cache import RACY_NS
@@ -30,8 +36,9 @@ from featbake.testing import write_audio_folder
 from featbake.units import format_bytes
 from featbake.upkeep import GcOptions, execute_gc, gc, plan_gc, verify
 from featbake.upkeep.check import verify_named
+from featbake.upkeep.gc import GcPlan, GcResult
 from tests.conftest import REPO, invoke, live_features
-from tests.helpers import age
+from tests.helpers import age, change_every_other_clip
 from tests.store.bucket.conftest import S3, Place, Remote, bucket_store
 
 HOUR = 3600.0
@@ -371,3 +378,121 @@ def test_gc_max_bytes_on_a_bucket_says_what_shards_a_part_not_merged_keep_hold(
     assert "never rewrites a shard" in notes[1][0]
     ds = CachedFeatureDataset(audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r")
     assert_live(ds, encoder_file)
+
+
+def test_gc_runs_on_one_node_take_turns_and_on_two_nodes_race_to_publish_as_merges_do(
+    s3: S3,
+    audio_dir: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bucket store's gc lock is in the node's local cache. Two gc runs on one node: the
+    second, started once the first has planned, says once that it waits, then plans afresh
+    (nothing left to do). Two gc runs on two nodes: neither waits; the first, held inside its
+    change of version N, loses the race for N+1 to the other node's gc, runs its steps again on
+    N+1 and publishes N+2, as a merge does; N+1 is never overwritten, neither names a problem,
+    the other's --max-bytes holds, and every item is served equal to the encoder now."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=16_384)
+    change_every_other_clip(audio_dir)
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=16_384)
+    heard: list[str] = []
+    moved = threading.Event()  # the second gc on the node said it waits (or planned)
+
+    def shown(message: Any, category: type, *args: Any, **kwargs: Any) -> None:
+        if "another gc of" in str(message):  # the one line a gc that waits says
+            heard.append(str(message))
+            moved.set()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        monkeypatch.setattr(warnings, "showwarning", shown)
+        plans = gc_twice_on_one_node(s3.url, tmp_path / "node-a", moved)
+        assert len(heard) == 1 and "\n" not in heard[0], heard
+        assert f"on this node (local cache {tmp_path / 'node-a'}{os.sep}" in heard[0]
+        assert plans[0].changes_catalog and not plans[1].changes_catalog  # planned afresh
+
+        change_every_other_clip(audio_dir, seed=9_000)
+        build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=16_384)
+        objects = ObjectStore(BucketURL.parse(s3.url))
+        before = newest(o.name for o in objects.list("catalog/"))
+        budget = named_bytes(s3.url, tmp_path / "count") // 2  # node b's run evicts too
+        other = gc_on_two_nodes(s3.url, tmp_path, objects, GcOptions(max_bytes=budget))
+        assert len(heard) == 1  # neither of the two nodes' runs waited
+    assert other == objects.head(version_name(before + 1)).etag  # never overwritten
+    assert newest(o.name for o in objects.list("catalog/")) == before + 2
+    assert named_bytes(s3.url, tmp_path / "after") <= budget
+    ds = CachedFeatureDataset(audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "r")
+    assert len(ds) == 16
+    assert_live(ds, encoder_file)  # the evicted items encoded again, the rest served
+    ds.close()
+
+
+#: Bounds on waiting for another thread: a hang fails, a slow machine passes.
+BOUND_S = 300.0
+
+
+def gc_twice_on_one_node(url: str, tier: Path, moved: threading.Event) -> list[GcPlan]:
+    """Two gc runs through one local cache: the second started once the first has planned;
+    the first held until the second moved on (``moved``: set where it says it waits, or by
+    its plan). Both plans, in order."""
+    planned, done = threading.Event(), threading.Event()
+    plans: list[GcPlan] = []
+    results: list[GcResult] = []
+
+    def first(plan: GcPlan) -> None:
+        plans.append(plan)
+        planned.set()
+        assert moved.wait(BOUND_S)
+
+    def second(plan: GcPlan) -> None:
+        plans.append(plan)
+        moved.set()
+        assert done.wait(BOUND_S)
+
+    def run(on_plan: Callable[[GcPlan], None], after: threading.Event) -> None:
+        try:
+            results.append(gc(open_store(url, local_cache=tier), on_plan=on_plan))
+        finally:
+            after.set()
+
+    one = threading.Thread(target=run, args=(first, done), daemon=True)
+    one.start()
+    assert planned.wait(BOUND_S)
+    two = threading.Thread(target=run, args=(second, threading.Event()), daemon=True)
+    two.start()
+    one.join(BOUND_S)
+    two.join(BOUND_S)
+    assert not one.is_alive() and not two.is_alive() and len(results) == 2
+    assert [r.problems for r in results] == [[], []]
+    return plans
+
+
+def gc_on_two_nodes(url: str, tmp: Path, objects: ObjectStore, b_options: GcOptions) -> str:
+    """A gc on node a held inside its change (its first step's progress) while a gc on node b
+    (with ``b_options``: another change, so another catalog) runs and publishes; then a's
+    goes on. The etag of the version b published."""
+    inside, published = threading.Event(), threading.Event()
+    results: list[GcResult] = []
+
+    def held(progress: GcProgress) -> None:
+        if not inside.is_set():
+            inside.set()
+            assert published.wait(BOUND_S)
+
+    def node_a() -> None:
+        results.append(gc(open_store(url, local_cache=tmp / "node-a"), progress=held))
+
+    a = threading.Thread(target=node_a, daemon=True)
+    a.start()
+    assert inside.wait(BOUND_S)
+    try:
+        b = gc(open_store(url, local_cache=tmp / "node-b"), b_options)
+        mine = objects.head(version_name(newest(o.name for o in objects.list("catalog/"))))
+    finally:
+        published.set()
+    a.join(BOUND_S)
+    assert not a.is_alive() and results[0].published and b.published
+    assert results[0].problems == [] and b.problems == []
+    assert mine is not None
+    return mine.etag
