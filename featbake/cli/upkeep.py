@@ -360,7 +360,8 @@ def gc(
 
     Removes features of old encoders, changed or deleted files and dropped roots; rewrites
     shards that are mostly garbage; removes stale tmp/ leftovers. Safe to interrupt at any point
-    (a rerun finishes the job) and safe while training reads the store. On a bucket store it
+    (a rerun finishes the job) and safe while training reads the store; a second gc of the
+    store waits for the first (it says so), then plans afresh. On a bucket store it
     publishes the catalog's new version, never rewrites shards, and deletes objects only once
     no version younger than --retention names them.
     """

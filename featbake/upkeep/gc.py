@@ -23,6 +23,10 @@ commit -> sweep. :func:`gc` is the one entry point the CLI and the Python API ca
 3. Sweep (:meth:`~featbake.store.place.Place.sweep`): the planned shards (re-checked where
    the place allows it), then leftovers, then retired catalog versions.
 
+One gc at a time: a run holds the store's gc lock from its plan to its sweep (:func:`gc_alone`;
+a bucket store's is in the node's local cache), and a second waits, then plans afresh.
+``--dry-run`` reads only and takes no lock.
+
 The crash tests kill gc between steps at the named points of :data:`CRASH_POINTS`
 (``FEATBAKE_TEST_CRASH_AT``), then check that a rerun finishes the job and loses nothing.
 """
