@@ -688,7 +688,8 @@ class GcResult:
     they pass the place's age; ``versions_deleted`` retired catalog versions (a bucket);
     ``published``: the catalog changed (in a bucket: a new version); ``shards_passed_over``:
     shards the plan rewrites that another gc had already rewritten or removed when this one
-    came to them (another node's gc of a bucket store; nothing is wrong, so no problem is
+    came to them (a plan carried out later through :func:`execute_gc`, or a gc on another host
+    of a shared filesystem whose locks do not span hosts; nothing is wrong, so no problem is
     named). Each step of a run returns its own GcResult; the run adds them up (``+``).
     """
 
@@ -944,7 +945,7 @@ class CompactionResult:
     features_moved: int = 0
     bytes_written: int = 0
     problems: list[str] = field(default_factory=list)
-    passed_over: int = 0  # planned shards another gc rewrote or removed meanwhile
+    passed_over: int = 0  # planned shards another gc rewrote or removed since the plan
 
     def as_result(self) -> GcResult:
         """Its share of the run's result (the bytes it wrote count against those freed)."""

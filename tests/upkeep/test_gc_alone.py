@@ -4,8 +4,8 @@ Each planned, then carried its plan out, so the second executed a plan the first
 stale: it warned that shards it meant to rewrite were gone and to run `verify --repair`, and
 its evictions named rows the first had moved, so `--max-bytes` was missed (320,512 bytes left
 on disk of a 200,000 budget). A gc now holds the store's gc lock from its plan to its sweep; a
-second says once that it waits, then plans afresh. A shard gone since a plan was made (another
-node's gc of a bucket store, which no lock of this node holds off) is passed over quietly.
+second says once that it waits, then plans afresh. A shard gone since a plan was made (a gc on
+another host whose lock does not reach this one) is passed over quietly.
 
 The stores are real (a tiny encoder over real audio), the runs are ordered by events, never by
 sleeps, and every item served is compared with running the encoder now.
@@ -242,12 +242,12 @@ def test_two_featbake_gc_processes_at_once_take_turns_and_the_second_says_so_in_
 def test_a_shard_gone_between_the_plan_and_its_execution_is_passed_over_quietly(
     tmp_path: Path, audio_dir: Path, encoder_file: Path
 ) -> None:
-    """A plan made, then another gc rewrites and removes the shards it names (what another
-    node's gc does to a bucket store meanwhile, where no lock of this node holds it off),
-    then the plan carried out: the shards it meant to rewrite are passed over and counted,
-    with no problem named and no advice to repair; nothing is written for nothing and every
-    item is served equal to the encoder now. Before: "skipped shard ...: run `featbake
-    verify --repair` if this persists"."""
+    """A plan made, then another gc rewrites and removes the shards it names (a gc on another
+    host of a shared filesystem whose locks do not span hosts; a plan carried out later
+    through the Python API), then the plan carried out: the shards it meant to rewrite are
+    passed over and counted, with no problem named and no advice to repair; nothing is
+    written for nothing and every item is served equal to the encoder now. Before: "skipped
+    shard ...: run `featbake verify --repair` if this persists"."""
     store = tmp_path / "store"
     root = store_with_garbage_in_every_shard(store, audio_dir, encoder_file)
     stale = plan_gc(store, GcOptions(compact_below=1.0, grace=0.0))
