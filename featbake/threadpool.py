@@ -8,7 +8,7 @@ import functools
 import queue
 import threading
 from collections.abc import Callable, Collection, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
 #: Threads that hash files at once: hashlib releases the GIL, and a few keep a disk (or an NFS
@@ -34,7 +34,25 @@ def map_in_threads(
     with DaemonThreads(min(threads, len(items)), "featbake-hash") as pool:
         futures = [pool.submit(fn, item) for item in items]
         for future in futures:
-            yield future.result()
+            yield result_of(future)
+
+
+#: The longest the main thread waits on another thread's work in one go (seconds).
+WAIT_SLICE_S = 0.25
+
+
+def result_of(future: Future[_Out]) -> _Out:
+    """``future``'s result, waited for in slices of :data:`WAIT_SLICE_S`.
+
+    The kernel may hand a signal sent to the process (SIGTERM from SLURM, Kubernetes,
+    ``featbake build``'s supervisor) to any of its threads, the one stuck in a read included;
+    Python then runs its handler only once the main thread runs again, and an untimed wait
+    on the stuck thread's work never ends: the build stopped by SIGTERM printed nothing and
+    never exited. A sliced wait runs the handler within a slice.
+    """
+    while not wait([future], timeout=WAIT_SLICE_S).done:
+        pass
+    return future.result()
 
 
 class DaemonThreads:

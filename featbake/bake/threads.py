@@ -31,7 +31,7 @@ from featbake.store.catalog import BuildCatalog, Catalog
 from featbake.store.hash_cache import FileStat
 from featbake.store.layout import Layout
 from featbake.store.shard import DEFAULT_SHARD_ITEMS, ShardWriter
-from featbake.threadpool import DaemonThreads
+from featbake.threadpool import DaemonThreads, result_of
 
 # == decode ========================================================================================
 #: Inputs decoded ahead of the encoder when there are no decode workers (on a thread).
@@ -398,7 +398,7 @@ def _decoded_ahead(ds: DecodeDataset) -> Iterator[tuple[int, Any]]:
 def _result(decoded: Future[tuple[int, Any]]) -> tuple[int, Any]:
     """A decode's result, waited for where a stop signal ends the wait (:func:`stoppable_wait`)."""
     with stoppable_wait():
-        return decoded.result()
+        return result_of(decoded)
 
 
 # == writer_thread =================================================================================

@@ -1339,9 +1339,26 @@ def test_rows_naming_a_fifo_or_a_folder_are_bad_rows_not_a_hang(
 #: ``STUCK_FIFO`` for reading, a real ``open(2)`` that blocks until a writer comes: none does
 #: (an NFS server gone, as the decoder sees it).
 STUCK_HOOK = """
-import os, soundfile, time
+import os, signal, soundfile, threading, time
 
 STUCK = open(os.environ["STUCK_CLIP"], "rb").read()
+
+
+def taken_here():  # the kernel gives the process's SIGTERM to this thread, the stuck one,
+    # once the main thread waits for its work (its first input's: nothing comes before)
+    if os.environ.get("STUCK_SIGNAL") != "here":
+        return
+    import sys
+
+    main = threading.main_thread().ident
+    while True:
+        frame = sys._current_frames().get(main)
+        if frame is not None and frame.f_code.co_name == "wait" and (
+            frame.f_code.co_filename.endswith("threading.py")
+        ):
+            break
+        time.sleep(0.01)
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
 
 
 class Stuck(soundfile.SoundFile):
@@ -1354,6 +1371,7 @@ class Stuck(soundfile.SoundFile):
                 open(os.environ["STUCK_READY"] + ".reached", "w").close()
                 while not os.path.exists(os.environ["STUCK_READY"] + ".held"):
                     time.sleep(0.01)
+            taken_here()
             with open(os.environ["STUCK_READY"], "w") as ready:
                 ready.write("stuck")
             open(os.environ["STUCK_FIFO"], "rb")
@@ -1368,6 +1386,7 @@ if os.environ["STUCK_AT"] == "hash":  # the clip's first read, hashing it, block
 
     def stuck_open(file, *args, **kwargs):
         if isinstance(file, str) and file == os.environ["STUCK_CLIP"]:
+            taken_here()
             with plain_open(os.environ["STUCK_READY"], "w") as ready:
                 ready.write("stuck")
             plain_open(os.environ["STUCK_FIFO"], "rb")
@@ -1412,11 +1431,19 @@ def _ended(proc: subprocess.Popen[str], seconds: float) -> subprocess.CompletedP
 
 
 def _stuck_build_stopped(
-    tmp_path: Path, encoder_file: Path, at: str, workers: str, stop: Callable[[int], None]
+    tmp_path: Path,
+    encoder_file: Path,
+    at: str,
+    workers: str,
+    stop: Callable[[int], None],
+    signal_here: bool = False,
+    stuck: int = 3,
 ) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
     """A build of 6 clips whose 4th is stuck in a read that never returns (``STUCK_HOOK``, at
     ``at``), ``stop(build pid)`` called once the decoder is stuck: what it printed once it
-    ended (or was killed 600 s later), its data folder and its store."""
+    ended (or was killed 600 s later), its data folder and its store. ``signal_here``: the
+    stuck thread sends itself SIGTERM as it gets stuck (a process's signal the kernel gave
+    that thread). ``stuck``: which clip is stuck (in sorted order)."""
     data = tmp_path / "audio"
     write_audio_folder(data, 6, seconds=(0.3, 0.8), seed=41)
     clips = sorted(data.glob("*.wav"))
@@ -1426,8 +1453,8 @@ def _stuck_build_stopped(
     os.mkfifo(ready)
     os.mkfifo(fifo)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'hook'}{os.pathsep}{REPO}",
-           "STUCK_CLIP": str(clips[3]), "STUCK_READY": str(ready), "STUCK_AT": at,
-           "STUCK_FIFO": str(fifo)}  # fmt: skip
+           "STUCK_CLIP": str(clips[stuck]), "STUCK_READY": str(ready), "STUCK_AT": at,
+           "STUCK_FIFO": str(fifo), "STUCK_SIGNAL": "here" if signal_here else ""}  # fmt: skip
     env.pop("FEATBAKE_DEBUG", None)
     store = tmp_path / "store"
     command = ["build", "-e", str(encoder_file), "-d", str(data), "--cache", str(store),
@@ -1476,10 +1503,12 @@ def assert_sealed_before_the_stuck_clip_and_rebuilt(
 
 
 @pytest.mark.parametrize(
-    ("at", "workers"), [("decode", "0"), ("decode", "2"), ("held", "2"), ("hash", "0")]
-)
+    ("at", "workers", "here"),
+    [("decode", "0", False), ("decode", "2", False), ("held", "2", False), ("hash", "0", False),
+     ("decode", "0", True), ("hash", "0", True)],
+)  # fmt: skip
 def test_sigterm_stops_a_build_whose_decoder_is_stuck_in_a_read_keeping_what_it_sealed(
-    tmp_path: Path, encoder_file: Path, at: str, workers: str
+    tmp_path: Path, encoder_file: Path, at: str, workers: str, here: bool
 ) -> None:
     """SIGTERM (Kubernetes, SLURM, ``timeout``) to a build whose decoder is stuck in a read that
     never returns (its 4th clip's open of a FIFO no writer opens; on the decode thread, and in a
@@ -1489,9 +1518,17 @@ def test_sigterm_stops_a_build_whose_decoder_is_stuck_in_a_read_keeping_what_it_
     served equal to the encoder run now, and a rerun reuses them and builds the rest. Before,
     the main thread waited for the stuck decode for ever (the signal only noted for the next
     checkpoint), and the decode thread was joined at exit; and (``held``) the stopped build
-    killed its workers and then waited for ever on the flag the killed one held."""
+    killed its workers and then waited for ever on the flag the killed one held. ``here``:
+    the kernel gives the process's SIGTERM to the stuck thread itself, as it may give it to
+    any thread; before, the main thread's wait for that thread's work never woke to run the
+    handler, and the build printed nothing and never ended."""
+
+    def stop(pid: int) -> None:
+        if not here:  # else the stuck thread has taken it already
+            os.kill(pid, signal.SIGTERM)
+
     ran, data, store = _stuck_build_stopped(
-        tmp_path, encoder_file, at, workers, lambda pid: os.kill(pid, signal.SIGTERM)
+        tmp_path, encoder_file, at, workers, stop, here, 0 if here else 3
     )
     err = ran.stderr
     assert ran.returncode == 143, printed(ran)
@@ -1499,7 +1536,7 @@ def test_sigterm_stops_a_build_whose_decoder_is_stuck_in_a_read_keeping_what_it_
     assert last.startswith("stopped: stopped by SIGTERM"), printed(ran)
     assert err.count("stopped:") == 1 and "Traceback" not in err, printed(ran)
     assert_sealed_before_the_stuck_clip_and_rebuilt(
-        data, encoder_file, store, 0 if at == "hash" else 3
+        data, encoder_file, store, 0 if at == "hash" or here else 3
     )
 
 
