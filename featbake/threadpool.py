@@ -46,9 +46,9 @@ def result_of(future: Future[_Out]) -> _Out:
 
     The kernel may hand a signal sent to the process (SIGTERM from SLURM, Kubernetes,
     ``featbake build``'s supervisor) to any of its threads, the one stuck in a read included;
-    Python then runs its handler only once the main thread runs again, and an untimed wait
-    on the stuck thread's work never ends: the build stopped by SIGTERM printed nothing and
-    never exited. A sliced wait runs the handler within a slice.
+    Python runs its handler only on the main thread, once that runs again, and a main thread
+    waiting untimed on the stuck thread's work never runs again (shown on its own: a
+    ``Future`` whose thread took the signal). A sliced wait runs the handler within a slice.
     """
     while not wait([future], timeout=WAIT_SLICE_S).done:
         pass
