@@ -177,8 +177,7 @@ class FidelityTally:
         self.err_sq += err
         self.ref_sq += norm
         self.worst = max(self.worst, math.sqrt(err / norm) if norm > 0 else 0.0)
-        sums = DimSums(err_d.tolist(), ref_d.tolist())
-        self.dims[part] = self.dims[part].plus(sums) if part in self.dims else sums
+        self.dims = _pooled_dims(self.dims, {part: DimSums(err_d.tolist(), ref_d.tolist())})
         ref_n, got_n = ref.norm(dim=-1), got.norm(dim=-1)
         rows = ref_n > 0  # a zero row has no direction (it is stored exactly)
         if bool(rows.any()):
