@@ -9,6 +9,7 @@ resamples, and the TorchScript encoder, loaded afresh, runs on it.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import importlib.util
@@ -1418,15 +1419,40 @@ if os.environ["STUCK_AT"] == "held":  # the other decode worker, as it takes its
 """
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (Linux's ``/proc``), each after its parent."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                found += [int(child), *_descendants(int(child))]
+    return found
+
+
+def _stacks_of(pids: list[int], proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """What ``proc`` printed once each of ``pids`` (``proc`` last) was sent SIGABRT in turn,
+    the next only if ``proc`` is still running a minute later (a supervisor reports its child's
+    end itself; its own stack would interleave); killed if not even faulthandler ends it."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.communicate(timeout=60)
+    proc.kill()
+    return proc.communicate()
+
+
 def _ended(proc: subprocess.Popen[str], seconds: float) -> subprocess.CompletedProcess[str]:
-    """``proc`` once it has ended, or once killed ``seconds`` later (a bound against a hang),
-    with all it printed either way, for a failure's message."""
+    """``proc`` once it has ended, or once stopped ``seconds`` later (a bound against a hang),
+    with all it printed either way, for a failure's message: a hung ``proc`` and the processes
+    under it (the supervised build, its decode workers) are sent SIGABRT, on which faulthandler
+    (``PYTHONFAULTHANDLER``, set by :func:`_stuck_build_stopped`) writes every thread's stack
+    to the inherited stderr, so the message says where each hung."""
     try:
         out, err = proc.communicate(timeout=seconds)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        err += f"\n(killed: still running {seconds:.0f} s later)"
+        out, err = _stacks_of([*reversed(_descendants(proc.pid)), proc.pid], proc)
+        err += f"\n(stopped: still running {seconds:.0f} s later; its stacks are above)"
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -1454,7 +1480,8 @@ def _stuck_build_stopped(
     os.mkfifo(fifo)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'hook'}{os.pathsep}{REPO}",
            "STUCK_CLIP": str(clips[stuck]), "STUCK_READY": str(ready), "STUCK_AT": at,
-           "STUCK_FIFO": str(fifo), "STUCK_SIGNAL": "here" if signal_here else ""}  # fmt: skip
+           "STUCK_FIFO": str(fifo), "STUCK_SIGNAL": "here" if signal_here else "",
+           "PYTHONFAULTHANDLER": "1"}  # fmt: skip
     env.pop("FEATBAKE_DEBUG", None)
     store = tmp_path / "store"
     command = ["build", "-e", str(encoder_file), "-d", str(data), "--cache", str(store),
