@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
     from featbake.store.catalog import Catalog
-    from featbake.upkeep import GcPlan
+    from featbake.upkeep import GcPlan, GcResult
 from pathlib import Path
 
 
@@ -320,7 +320,8 @@ def gc(
                 "them (exit 0). A build in one process holds none: one whose reused features "
                 "go meanwhile counts those inputs failed, and its rerun encodes them. A bucket "
                 "store never rewrites a shard, so there whole shards go, least recently used "
-                "first."
+                "first. The shards are measured once gc is done: features written while it ran "
+                "have it plan once more (a note says so), and a warning says if it is still over."
             ),
             show_default=False,
         ),
@@ -383,6 +384,11 @@ def gc(
 
     def show(plan: GcPlan) -> None:
         plans.append(plan)
+        if len(plans) > 1 and not as_json:  # the budget measured after the first pass
+            console.print(
+                "[yellow]note:[/] the store was still over --max-bytes once gc had run "
+                "(features written meanwhile); it plans again from what is there now"
+            )
         if dry_run or not as_json:
             _print_gc_plan(plan, dry_run, as_json)
 
@@ -417,7 +423,23 @@ def gc(
         )
     for p in result.problems:
         console.print(f"[yellow]warning:[/] {escape(p)}")
-    _note_over_budget(plans[0], as_json)
+    _note_over_budget(plans[-1], as_json)
+    _warn_still_over(plans[-1], result, as_json)
+
+
+def _warn_still_over(plan: GcPlan, result: GcResult, as_json: bool) -> None:
+    """One warning when the shards measured after the run exceed ``--max-bytes`` by more than
+    the plan's note explains (features kept for builds): written during the second pass too,
+    or a shard gc skipped (its warning is above). ``--json``: the result's ``stored_bytes``."""
+    budget = plan.options.max_bytes
+    stored = result.stored_bytes
+    if as_json or budget is None or stored is None or not plan.unforeseen_bytes(stored):
+        return
+    console.print(
+        f"[yellow]warning:[/] the store holds {format_bytes(stored)} of shards after gc, over "
+        f"--max-bytes {format_bytes(budget)}: features were written while it ran, or it "
+        "skipped a shard (see above); run gc again"
+    )
 
 
 def _note_over_budget(plan: GcPlan, as_json: bool) -> None:
