@@ -105,6 +105,7 @@ from featbake.store.roots import (
     PaddingRecord,
     RootSpec,
     clear_padding,
+    padding_file,
     read_padding,
     write_padding,
     write_undecodable,
@@ -956,7 +957,7 @@ class _Bake:
         to_encode = [(k, p) for k, p in work if k not in plan]
         self.held.keep_only({p for _, p in to_encode})  # others are stored or derived
         if not work:
-            clear_padding(self.layout, self.report.root, self.padding_part)
+            self.clear_own_padding()
             return self.progress(Progress("encode", 0, 0)) if self.progress else None
         self.record_padding([k for k, _ in to_encode])
         try:
@@ -964,13 +965,14 @@ class _Bake:
         except ConfigError:  # a wrong option (--output): its manifest names keys never stored
             self.catalog.drop_root(self.report.root)
             raise
-        clear_padding(self.layout, self.report.root, self.padding_part)  # all checked or redone
+        self.clear_own_padding()  # all checked or redone
 
     def padded_before(self, present: set[str], todo: dict[str, str]) -> set[str]:
         """``present`` less what an unfinished build of this root stored after padding was
         found inexact (those are encoded again, as work); what it stored before that is kept
         in :attr:`suspects`, encoded again alone if a padding check fails now (see
         :class:`~featbake.store.roots.PaddingRecord`)."""
+        place_of(self.layout).sync_padding(self.report.root)  # each part's, from any node
         self.padding = read_padding(self.layout, self.report.root)
         suspects = self.padding.suspects(present)
         if self.padding.inexact:
@@ -984,8 +986,9 @@ class _Bake:
         new ones: in the catalog this build writes through, and in a directory store's own
         catalog where this build writes fragments (an engine's driver, a rank): a merge keeps
         a key's catalog row over a fragment's, and a stopped build's rows are there (written
-        in place, or adopted from its fragments). A bucket's published version is not written
-        here (see docs/reliability.md r21.8)."""
+        in place, or adopted from its fragments). Where this build writes fragments, the one
+        sealed now says it replaces ``keys``: a merge drops their rows wherever it finds them (a
+        bucket's published version included) and keeps those stored after (store/merge.py)."""
         self.catalog.forget_keys(keys)
         if keys and self.catalog.fragmented and not place_of(self.layout).builds_in_fragments():
             with contextlib.closing(Catalog(self.layout)) as catalog:
@@ -1000,16 +1003,29 @@ class _Bake:
             return
         # This part's earlier record kept: what a stopped run of it stored stays suspect.
         before = read_padding(self.layout, self.report.root, self.padding_part)
-        self.own_padding = before.with_keys(keys)
-        write_padding(self.layout, self.report.root, self.padding_part, self.own_padding)
+        self.write_own_padding(before.with_keys(keys))
 
     def padding_failed(self) -> None:
         """A padding check failed: this part's record says so at once, before the next batch
         (a rerun then encodes again what this build stored, whichever step it is stopped in)."""
         own = self.own_padding
         if own is not None and not own.inexact:
-            self.own_padding = dataclasses.replace(own, inexact=True)
-            write_padding(self.layout, self.report.root, self.padding_part, self.own_padding)
+            self.write_own_padding(dataclasses.replace(own, inexact=True))
+
+    def write_own_padding(self, record: PaddingRecord) -> None:
+        """This part's padding record made ``record``, where a rerun on any node reads it."""
+        self.own_padding = record
+        write_padding(self.layout, self.report.root, self.padding_part, record)
+        place_of(self.layout).publish_padding(
+            padding_file(self.layout, self.report.root, self.padding_part)
+        )
+
+    def clear_own_padding(self) -> None:
+        """This part came to its end: its padding record goes, here and where it was kept."""
+        record = padding_file(self.layout, self.report.root, self.padding_part)
+        if self.own_padding is not None or record.exists():  # else there is none to retire
+            place_of(self.layout).retire_padding(record)
+            clear_padding(self.layout, self.report.root, self.padding_part)
 
     def padded_again(self, padded: list[PaddedItem], inexact: bool) -> list[PaddedItem]:
         """What to encode again alone: ``padded`` (stored from this run's padded batches) and

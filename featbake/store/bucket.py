@@ -97,6 +97,9 @@ SHARDS = "shards/"
 #: ``whole``, ``ranged`` or ``auto``: how shards missing from the tier are read.
 READS_ENV = "FEATBAKE_BUCKET_READS"
 FRAGMENTS = "fragments/"
+#: Build parts' padding records (``featbake.store.roots.PaddingRecord``), while each runs: a
+#: rerun on another node reads what a stopped part set out to encode.
+PADDING = "padding/"
 #: Whole-shard fetches a process runs ahead of its reads (litdata keeps two chunks ahead);
 #: ``$FEATBAKE_BUCKET_PREFETCH=0`` turns them off (``make bench`` measures both).
 PREFETCH_AHEAD = 2
@@ -550,6 +553,36 @@ class BucketStore(ProcessLocalState):
 
     def defers_fragments(self) -> bool:
         return True  # each fragment is a PUT (and a fold for merge): a build batches them
+
+    def publish_padding(self, record: Path) -> None:
+        self.bucket.upload(f"{PADDING}{record.name}", record)
+
+    def retire_padding(self, record: Path) -> None:
+        self.bucket.delete([f"{PADDING}{record.name}"])
+
+    def sync_padding(self, name: str) -> None:
+        """The bucket's padding records of root ``name`` made the tier's: each downloaded
+        (through ``tmp/``, then renamed), and a copy whose object is gone removed (its part
+        ended, maybe on another node: a stale copy would only have items encoded again)."""
+        listed = {
+            Path(o.name).name
+            for o in self.bucket.list(f"{PADDING}{name}.")
+            if o.name.endswith(".padding")
+        }
+        roots = self.layout.roots
+        roots.mkdir(parents=True, exist_ok=True)
+        for path in roots.glob(f"{name}.*.padding"):
+            if path.name not in listed:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+        for file_name in sorted(listed):
+            with contextlib.suppress(FileNotFoundError):  # its part ended since the listing
+                name_there = f"{PADDING}{file_name}"
+                publish_file(
+                    roots / file_name,
+                    lambda tmp: self.bucket.download(name_there, tmp),  # noqa: B023 (called here)
+                    tmp_dir=self.layout.tmp,
+                )
 
     def publish_shards(self, shards: Sequence[str]) -> None:
         """Upload each shard of ``shards`` from the tier, where this process has not already.

@@ -1555,6 +1555,25 @@ class UpkeepRows(CatalogConnection):
                 done += c.execute(f"DELETE FROM features WHERE key IN ({q})", chunk).rowcount
         return done
 
+    def forget_rows_in_shards(self, keys: Sequence[str], shards: Sequence[str]) -> int:
+        """Delete the rows of ``keys`` that point into the shards named ``shards`` (rows a
+        fragment folded that a newer one voids, see store/merge.py); how many."""
+        if not keys or not shards:
+            return 0
+        done = 0
+        for i in range(0, len(keys), 400):
+            chunk = list(keys[i : i + 400])
+            for j in range(0, len(shards), 400):
+                named = list(shards[j : j + 400])
+                q, n = ",".join("?" * len(chunk)), ",".join("?" * len(named))
+                with self.transaction() as c:
+                    done += c.execute(
+                        f"DELETE FROM features WHERE key IN ({q}) AND shard_id IN "
+                        f"(SELECT id FROM shards WHERE name IN ({n}))",
+                        [*chunk, *named],
+                    ).rowcount
+        return done
+
     def unlink_shard_file(self, name: str, written_at: float | None = None) -> int:
         """Remove shard ``name``'s file unless a row names it again; returns the bytes freed.
 

@@ -129,6 +129,7 @@ class SealContents:
     hashes: dict[str, HashCacheRow]
     done: DoneRecord
     carries: bool
+    replaced: frozenset[str] = frozenset()
 
 
 class FragmentCatalog:
@@ -188,6 +189,7 @@ class FragmentCatalog:
         self._fidelity = ""  # what an int8/fp8 rank measured
         self._undecodable: dict[str, str] = {}  # key -> reason: inputs this rank could not decode
         self._pending: dict[str, SealedShard] = {}  # sealed shards no fragment names yet
+        self._replacing: set[str] = set()  # keys forgotten, for the next fragment to say so
         # A rank into a bucket: its fragments' batching, the pending shards already uploaded,
         # when the oldest pending one was sealed, and the rows its fragments name so far.
         self.batching = batching or Batching()
@@ -448,9 +450,23 @@ class FragmentCatalog:
         return True
 
     def forget_keys(self, keys: Sequence[str]) -> int:
-        """Nothing to delete: a build's rows replace earlier ones at its merge, which folds a
-        build's newest fragments first (features encoded again after a failed padding check
-        win over the padded ones sealed before). Returns 0."""
+        """Void the rows of ``keys`` stored so far (a failed padding check found them inexact;
+        they are stored again next): a fragment is sealed now, naming the shards pending and
+        saying it replaces ``keys`` (:func:`featbake.store.fragments.replaced_meta`), so the
+        merge drops their rows from the catalog, folds none from that fragment or an older
+        one, and keeps the rows sealed after. Before, it deleted nothing and relied on the
+        merge folding the newest fragment first: rows a published catalog version already held
+        (a merge folding this build's fragments while it waited) won, and a padded row pending
+        beside its replacement in one fragment was folded or not by its shard's name.
+        Returns 0: nothing is deleted here.
+
+        Raises:
+            StoreError: the fragment could not be written (nothing is encoded again then).
+        """
+        if keys:
+            with self._lock:
+                self._replacing.update(keys)
+            self._seal(self.kind)
         return 0
 
     def record_fidelity(self, root: str, measured: Measured, bound: float | None) -> None:
@@ -593,6 +609,7 @@ class FragmentCatalog:
                     self.layout, taken.info, kind, shards, taken.items,
                     list(taken.hashes.values()), taken.uses, taken.done,
                     publish=lambda p: self.place.publish_fragment(p, unsent),
+                    replaced=taken.replaced,
                 )  # fmt: skip
             except ShardMissing:  # never named again by every later seal: the writer rewrites it
                 gone = {n for n in taken.shards if not holds_shard(self.layout, n)}
@@ -637,7 +654,7 @@ class FragmentCatalog:
         held = carries and bool(self._hashes or self._encoder or self._spec)
         if kind is FragmentKind.DONE and self._spec is None:
             return None  # the build published no manifest: no ``done`` fragment
-        if kind is not FragmentKind.DONE and not (self._pending or uses or held):
+        if kind is not FragmentKind.DONE and not (self._pending or uses or held or self._replacing):
             return None
         return SealContents(
             info=self._info(),
@@ -650,6 +667,7 @@ class FragmentCatalog:
             hashes=dict(self._hashes) if carries else {},
             done=self._done_record() if kind is FragmentKind.DONE else DoneRecord(),
             carries=carries,
+            replaced=frozenset(self._replacing),
         )
 
     def _done_record(self) -> DoneRecord:
@@ -660,6 +678,7 @@ class FragmentCatalog:
         """Let go of what the fragment at ``path`` holds (``_lock`` held); what was added or
         replaced since it was taken stays held for the next seal."""
         self._let_go(taken.shards)
+        self._replacing -= taken.replaced
         self._shipped -= taken.shards.keys()
         self._named_rows += sum(len(s.entries) for s in taken.shards.values())
         self._oldest = self.batching.clock() if self._pending else None

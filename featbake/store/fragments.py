@@ -117,6 +117,28 @@ class DoneRecord:
         return out
 
 
+def replaced_meta(keys: Iterable[str]) -> dict[str, str]:
+    """The meta row of the keys a fragment replaces (none when it replaces none): keys whose
+    rows its writer had stored (a failed padding check found them inexact) and stores again,
+    in later fragments. A merge drops their rows from the catalog and folds none of theirs
+    from this fragment or an older one (:func:`featbake.store.merge.fold_newest_first`)."""
+    keys = sorted(set(keys))
+    return {"replaced": json.dumps(keys)} if keys else {}
+
+
+def replaced_of(meta: dict[str, str]) -> frozenset[str]:
+    """The keys a fragment's meta says it replaces (:func:`replaced_meta`).
+
+    Raises:
+        ValueError: the row cannot be read: a fragment whose replaced rows are not known is
+            not folded (a merge would keep rows known wrong).
+    """
+    keys = json.loads(meta.get("replaced") or "[]")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ValueError("its replaced keys are not a list of keys")
+    return frozenset(keys)
+
+
 def undecodable_of(meta: dict[str, str]) -> tuple[tuple[str, str], ...]:
     """The (key, reason) pairs a fragment's meta records; none where it records none (a
     fragment written before ranks recorded them) or cannot be read (they are then misses)."""
@@ -216,6 +238,7 @@ class Fragment:
     format_version: int = FRAGMENT_VERSION
     fidelity: str = ""  # JSON: what an int8/fp8 rank measured (its done fragment), or ""
     undecodable: tuple[tuple[str, str], ...] = ()  # (key, reason) its rank could not decode
+    replaced: frozenset[str] = frozenset()  # keys whose rows here and before are void
 
 
 def build_id(root: str, encoder_fp: str, recipe_fp: str, world: int, listing: Iterable) -> str:
@@ -276,6 +299,7 @@ def write_fragment(  # noqa: PLR0913  (a fragment's parts, and its publish while
     uses: Sequence[Use] = (),
     done: DoneRecord = DoneRecord(),
     publish: Callable[[Path], None] | None = None,
+    replaced: Iterable[str] = (),
 ) -> Path:
     """Write a fragment to tmp/, fsync it and rename it into fragments/ (which seals it); where
     the store's place keeps fragments elsewhere (a bucket), ``publish`` puts it there
@@ -296,7 +320,7 @@ def write_fragment(  # noqa: PLR0913  (a fragment's parts, and its publish while
     with contextlib.ExitStack() as hold:
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
-            extra = {"kind": kind.value, **done.meta()}
+            extra = {"kind": kind.value, **done.meta(), **replaced_meta(replaced)}
             held = hold.enter_context(holding(tmp))  # held while written: no sweep takes it
             _fill(layout, tmp, info, extra, shards, items, hashes, uses)
             os.fsync(held.fd)  # the held descriptor: no second open of the file to close
@@ -403,7 +427,7 @@ def read_fragment(path: Path, layout: Layout, *, with_entries: bool = True) -> F
         fidelity, undecodable = meta.get("fidelity", ""), undecodable_of(meta)
         return Fragment(
             path, info, kind, created, body.shards, items, body.hashes, uses, version, fidelity,
-            undecodable,
+            undecodable, replaced_of(meta),
         )  # fmt: skip
     except (sqlite3.Error, StoreError, ValueError, KeyError) as e:
         raise StoreCorrupt(

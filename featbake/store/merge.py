@@ -256,10 +256,7 @@ def _fold_build(
         _record_fidelity(catalog.layout, info.root, list(done.values()))
     if between:
         between("root")
-    # Newest first: a rank that stored a feature again (padding found inexact later, see
-    # bake/pipeline.py) sealed the new row in a later fragment, and the first row folded wins.
-    for f in sorted(frags, key=lambda f: f.created, reverse=True):
-        _add_shards(catalog, f, report)
+    fold_newest_first(catalog, frags, report)
     if items is not None:
         _record_undecodable(catalog, info.root, items, list(done.values()))
     if between:
@@ -281,11 +278,7 @@ def fold_waiting(
         except StoreCorrupt:
             continue
         folded = MergeReport()
-        # Newest first, as a finished build's (see _fold_build): an engine's workers that
-        # stored a feature again alone (padding found inexact on another worker, see
-        # bake/pipeline.py) sealed it in a later fragment, and the first row folded wins.
-        for f in sorted(frags, key=lambda f: f.created, reverse=True):
-            _add_shards(catalog, f, folded)
+        fold_newest_first(catalog, frags, folded)  # as a finished build's (see _fold_build)
         report.waiting_shards += folded.shards
         report.new_features += folded.new_features
         report.missing_shards += folded.missing_shards
@@ -296,6 +289,42 @@ def fold_waiting(
             fsync_dir(fragments_dir(catalog.layout))
             report.superseded.append(frags[0].info.root)
             report.fragments += len(frags)
+
+
+def fold_newest_first(catalog: Catalog, frags: Sequence[Fragment], report: MergeReport) -> None:
+    """Fold the shards' rows of ``frags`` into the catalog, newest fragment first (the first
+    row of a key folded wins), none of a key a fragment replaces from that fragment or an
+    older one.
+
+    A build that stores a feature again (a later padding check found it inexact, see
+    bake/pipeline.py) seals the new row in a later fragment than the old, and its fragment
+    catalog seals the old rows' fragment at once saying it replaces those keys
+    (:meth:`featbake.store.fragment_catalog.FragmentCatalog.forget_keys`). Their rows already
+    in the catalog (a merge folding this build while it waited, into a bucket's published
+    version) are dropped first; the old rows of those keys folded here are dropped after each
+    fragment (a key not stored again is then a miss, encoded when read, never the old row).
+    """
+    replaced = replaced_when(frags)
+    catalog.forget_keys(sorted(replaced))
+    for f in sorted(frags, key=lambda f: f.created, reverse=True):
+        _add_shards(catalog, f, report)
+        _drop_void_rows(catalog, f, replaced)
+
+
+def replaced_when(frags: Sequence[Fragment]) -> dict[str, float]:
+    """Each key some of ``frags`` replace -> when the newest of those was sealed."""
+    replaced: dict[str, float] = {}
+    for f in frags:
+        for key in f.replaced:
+            replaced[key] = max(replaced.get(key, f.created), f.created)
+    return replaced
+
+
+def _drop_void_rows(catalog: Catalog, f: Fragment, replaced: dict[str, float]) -> None:
+    """Drop the rows just folded from ``f`` of keys a fragment as new or newer replaces."""
+    void = sorted(k for k, at in replaced.items() if f.created <= at)
+    if void:
+        catalog.forget_rows_in_shards(void, [s.name for s in f.shards])
 
 
 def _superseded(catalog: Catalog, frags: Sequence[Fragment]) -> bool:
@@ -333,11 +362,13 @@ def adopt_sealed_parts(catalog: Catalog) -> int:
             frags.append(_read(name.path, catalog.layout))
         except (StoreCorrupt, sqlite3.Error):
             continue  # unreadable, or merged meanwhile: its keys are encoded or in the catalog
+    replaced = replaced_when(frags)  # rows void, as a merge folds them: never adopted
     for f in sorted(frags, key=lambda f: f.created, reverse=True):
         try:  # its rows are copied from the file (ATTACH): merged and removed meanwhile
             _add_shards(catalog, f, adopted)
         except (StoreCorrupt, sqlite3.Error):
             continue
+        _drop_void_rows(catalog, f, replaced)
     return adopted.new_features
 
 

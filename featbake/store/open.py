@@ -384,6 +384,15 @@ class LocalPlace:
     def defers_fragments(self) -> bool:
         return False  # a fragment is a file where it lasts: one per seal costs no upload
 
+    def publish_padding(self, record: Path) -> None:
+        return None  # written in the directory: there already
+
+    def retire_padding(self, record: Path) -> None:
+        return None  # its file is the record
+
+    def sync_padding(self, name: str) -> None:
+        return None  # every part's record is in the directory's roots/
+
 
 def describe(layout: Layout) -> str:
     """How messages name a store: its directory, or its bucket URL, never the tier folder

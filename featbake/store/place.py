@@ -474,6 +474,23 @@ class Place(Protocol):
         bucket), not just a file already where it lasts (a directory: False)."""
         ...
 
+    def publish_padding(self, record: Path) -> None:
+        """Make a build part's padding record (``roots/<name>.<part>.padding``, just written
+        in the layout; :class:`featbake.store.roots.PaddingRecord`) last where a rerun on any
+        node reads it (a bucket: uploaded; a directory holds it already)."""
+        ...
+
+    def retire_padding(self, record: Path) -> None:
+        """That part came to its end: its record goes where :meth:`publish_padding` put it
+        (the layout's own copy is the caller's)."""
+        ...
+
+    def sync_padding(self, name: str) -> None:
+        """Make the layout's padding records of root ``name`` those the place holds (a bucket:
+        each downloaded, a copy whose part ended on another node removed; a directory's are
+        its own already)."""
+        ...
+
 
 @runtime_checkable
 class RemotePlace(Place, Protocol):

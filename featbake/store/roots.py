@@ -453,8 +453,9 @@ def _write_utf8(text: str, path: Path) -> None:
 # rerun takes the keys it finds stored among them as padded (encoded again alone once a check
 # fails, as the first run would have), and a build's end removes the record. Each key is
 # recorded by its first :data:`PADDING_MARK` hex digits: one taken for another only costs an
-# item encoded again. Not carried with a bucket's published state: a rerun on another node
-# reads none (docs/reliability.md r21.8).
+# item encoded again. A bucket keeps each record as an object too (``padding/``, through the
+# store's place: ``publish_padding``, ``sync_padding``, ``retire_padding``), so a rerun on any
+# node reads what a part stopped on another set out to do.
 PADDING_MARK = 16
 
 

@@ -1107,3 +1107,57 @@ def test_a_build_adopts_an_unfinished_builds_fragments_newest_first(tmp_path: Pa
     with Catalog(layout) as cat:
         assert adopt_sealed_parts(cat) == 1
         assert [loc.shard for loc in cat.locate(key)] == [exact.name]
+
+
+def test_keys_a_build_stores_again_replace_their_rows_wherever_they_were_folded(
+    tmp_path: Path,
+) -> None:
+    """A rank stores keys a and b padded; a merge folds its fragments while it waits (as a
+    bucket's published version then holds them); its padding check then fails, it forgets
+    both and stores a again alone (b's encode fails). Before, the merge kept the rows the
+    catalog held (first row folded wins): a and b served padded. Now the fragment sealed as
+    it forgets says it replaces them: a's row is the one stored again, b has none (a miss,
+    encoded when read), and a merge run again changes nothing."""
+    layout = Layout(tmp_path / "store").ensure()
+    efp, rfp = "e" * 64, "r" * 64
+    a, b = "a" * 64, "b" * 64
+    rank = FragmentCatalog(layout, RankPart(0, 1, [("a.wav", 10), ("b.wav", 10)]))
+    rank.record_encoder(efp, "enc", "torchscript")
+    rank.replace_root(RootSpec("r", "/d", "enc", efp, rfp, {}), [("a.wav", a), ("b.wav", b)])
+    padded = write_shard(layout, {a: torch.ones(3), b: torch.ones(3)}, efp, rfp)
+    rank.add_shard(padded)
+    merge(layout)  # folds the waiting build's rows
+    with Catalog(layout) as cat:
+        assert {k: [loc.shard for loc in locs] for k, locs in cat.locate_many([a, b]).items()} == {
+            a: [padded.name],
+            b: [padded.name],
+        }
+    rank.forget_keys([a, b])
+    said = [read_fragment(f.path, layout).replaced for f in sealed_fragments(layout)]
+    alone = write_shard(layout, {a: torch.full((3,), 2.0)}, efp, rfp)
+    rank.add_shard(alone)
+    rank.finish()
+    rank.close()
+    assert merge(layout).roots == ["r"]
+    with Catalog(layout) as cat:
+        assert [loc.shard for loc in cat.locate(a)] == [alone.name]
+        assert cat.locate(b) == []
+    assert said == [frozenset(), {a, b}] or said == [{a, b}, frozenset()]  # sealed as it forgot
+    assert merge(layout).roots == []
+
+
+def test_a_fragment_whose_replaced_keys_cannot_be_read_is_damaged(tmp_path: Path) -> None:
+    """A fragment whose record of the keys it replaces is unreadable is never folded (its
+    old rows would be kept as if sound): reading it says it is damaged and what to do."""
+    layout = Layout(tmp_path / "store").ensure()
+    rank = FragmentCatalog(layout, RankPart(0, 1, [("a.wav", 10)]))
+    rank.replace_root(RootSpec("r", "/d", "enc", "e" * 64, "r" * 64, {}), [("a.wav", "a" * 64)])
+    rank.forget_keys(["a" * 64])
+    rank.close()
+    (fragment,) = sealed_fragments(layout)
+    conn = sqlite3.connect(fragment.path)
+    with conn:
+        conn.execute("UPDATE meta SET value = '{\"a\": 1}' WHERE name = 'replaced'")
+    conn.close()
+    with pytest.raises(StoreCorrupt, match="move it aside and rerun that rank"):
+        read_fragment(fragment.path, layout)

@@ -1,0 +1,57 @@
+"""A padded build into a bucket stopped before its late batch failed the padding check, then
+run again: on its node, on another node, and on another node after a merge published what the
+stopped build stored (docs/reliability.md r22.3).
+
+Which items came from padded batches was known only to the run that padded them. A build that
+may pad records the keys it sets out to encode before it encodes any (store/roots.py); that
+record was a file of the node's tier, so a rerun on another node read none and reused the items
+stored padded, served off by the padding's drift. And where a merge had folded the stopped
+build's rows into a published version, the rerun's rows encoded again lost to them at its own
+merge (the first row folded wins). The stores are real (moto's S3 on loopback), and every item
+served is compared with the encoder run now on that item alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from featbake.bake.pipeline import build
+from featbake.testing import save_torchscript, write_audio_folder
+from tests.bake.test_batching import (
+    LittlePaddingLeaks,
+    assert_serves_alone,
+    clips,
+    interrupted_after_padded_batches,
+)
+from tests.store.bucket.conftest import S3
+
+
+@pytest.mark.parametrize("rerun", ["same-node", "other-node", "other-node-after-a-merge"])
+def test_a_padded_bucket_build_stopped_and_run_again_anywhere_serves_each_item_as_alone(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rerun: str
+) -> None:
+    """12 clips whose padding drifts by 0.5 only when padded a little, built padded in
+    batches of 3 into a bucket and stopped after 9 (3 batches passed the check; the 4th would
+    fail it). The rerun (its own check fails) encodes the 9 again alone wherever it runs, and
+    its end removes the record from the bucket; a third node serves all 12 equal to the encoder
+    run on each alone. Before: on another node 3 of 12 were served off by 0.5, and after a
+    merge of another build in between as well."""
+    data, module = clips(tmp_path / "clips"), LittlePaddingLeaks()
+    encoder = save_torchscript(module, tmp_path / "leaky.pt")
+    interrupted_after_padded_batches(data, encoder, s3.url)
+    assert len(s3.objects("padding/")) == 1  # what the stopped build set out to encode
+    if rerun != "same-node":
+        monkeypatch.setenv("FEATBAKE_LOCAL_CACHE", str(tmp_path / "node-b"))
+    if rerun == "other-node-after-a-merge":  # another build's merge folds the stopped one's
+        write_audio_folder(tmp_path / "other", 3, seconds=1.0, seed=77)  # rows into a version
+        build(tmp_path / "other", encoder, cache=s3.url, workers=0, batching="exact")
+        assert s3.objects("catalog/")
+    again = build(data, encoder, cache=s3.url, workers=0, batch_size=3, batching="padded")
+    assert again.ok and (again.reused, again.encoded) == (9, 3), again
+    assert "the 9 items padded before were encoded again alone" in again.batching_note
+    assert s3.objects("padding/") == []
+    assert not list((tmp_path / "node-b" / "roots").glob("*.padding"))
+    monkeypatch.setenv("FEATBAKE_LOCAL_CACHE", str(tmp_path / "node-c"))
+    assert_serves_alone(data, module, encoder, cache=s3.url)
