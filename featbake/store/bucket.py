@@ -43,7 +43,7 @@ from featbake.store.fragments import (
 )
 from featbake.store.layout import Layout, checked_shard_name, is_shard_name
 from featbake.store.locks import locked
-from featbake.store.merge import MergeReport, merge
+from featbake.store.merge import MergeReport, merge, merging_alone
 from featbake.store.objects import CLIENT_CONNECTIONS as CLIENT_CONNECTIONS
 from featbake.store.objects import LIST_PAGE_KEYS as LIST_PAGE_KEYS
 from featbake.store.objects import ObjectStore
@@ -1174,7 +1174,11 @@ def merge_bucket(store: BucketStore, *, between: Between = None) -> MergeReport:
 
         return Change(report, bool(folded), retire)
 
-    return publish_next(store, fold)
+    # One merge at a time on this node, as gc runs take turns (upkeep/gc.py): two folding the
+    # tier's copies at once each linked what the other's retire unlinked, and folded it twice.
+    # Merges on two nodes race to publish the next version (see publish_next).
+    with merging_alone(store.layout, f"{store} on this node (local cache {store.layout.root})"):
+        return publish_next(store, fold)
 
 
 def pack_root_records(work: Layout) -> None:

@@ -174,12 +174,14 @@ def merge(
         return _merged(layout, between, skip_damaged)
 
 
-def merging_alone(layout: Layout) -> contextlib.AbstractContextManager[None]:
-    """Hold the store's merge lock; where another merge holds it, say once that this one
-    waits for it (a long merge: a wait in silence looks like a hang), then wait (:func:`alone`)."""
+def merging_alone(layout: Layout, where: str = "") -> contextlib.AbstractContextManager[None]:
+    """Hold the store's merge lock (``<layout>/merge.lock``); where another merge holds it, say
+    once that this one waits for it (a long merge: a wait in silence looks like a hang), then
+    wait (:func:`alone`). ``where``: how the message names the store (default: its folder; a
+    bucket's merge names the bucket and this node's local cache, whose lock it takes)."""
     return alone(
         layout.root / MERGE_LOCK,
-        f"another merge of {layout.root} is running; this one waits for it to finish, "
+        f"another merge of {where or layout.root} is running; this one waits for it to finish, "
         "then merges what is left",
         MergeWaitWarning,
     )

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -303,6 +304,68 @@ def test_two_merges_racing_for_one_version_lose_nothing(
     assert not place.objects("fragments/")
     ds = CachedFeatureDataset(
         audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "reader", on_miss="error"
+    )
+    assert len(ds) == 16
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+
+
+#: Bounds on waiting for another thread: a hang fails, a slow machine passes.
+BOUND_S = 300.0
+
+
+def test_two_merges_on_one_node_take_turns_the_second_saying_so_once(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two merges of a bucket through one node's local cache (two ranks' ends, a user's merge
+    beside one): the second, started while the first folds, says once that it waits, naming
+    the bucket and the node's cache, then finds nothing left; one version is published, no
+    fragment is left, and every item is served equal to the encoder run now. Before, both
+    folded the tier's copies of the same fragments at once (one's retire unlinking what the
+    other links), as merges on two nodes race."""
+    from featbake.bake.pipeline import build
+
+    for part in ("0/2", "1/2"):
+        build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part, shard_bytes=60_000)
+    tier = tmp_path / "node-a"
+    heard: list[str] = []
+    folding, moved = threading.Event(), threading.Event()  # the first folds; the second moved
+
+    def shown(message: object, category: type, *args: object, **kwargs: object) -> None:
+        if "another merge of" in str(message):
+            heard.append(str(message))
+            moved.set()
+
+    def hold(step: str) -> None:
+        if step == "rows" and not folding.is_set():
+            folding.set()
+            assert moved.wait(BOUND_S)
+
+    seconds: list[int] = []
+
+    def second() -> None:
+        try:
+            assert folding.wait(BOUND_S)
+            seconds.append(merge_bucket(bucket_store(s3.url, tier)).fragments)
+        finally:
+            moved.set()  # (where it never waited: the first goes on once it is done)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        monkeypatch.setattr(warnings, "showwarning", shown)
+        other = threading.Thread(target=second)
+        other.start()
+        try:
+            first = merge_bucket(bucket_store(s3.url, tier), between=hold)
+        finally:
+            other.join(BOUND_S)
+    assert len(heard) == 1 and "\n" not in heard[0], heard
+    assert heard[0].startswith(f"another merge of {s3.url} on this node (local cache {tier}")
+    assert first.fragments >= 2 and seconds == [0]
+    assert s3.objects("catalog/") == ["catalog/v000000001.sqlite"]
+    assert not s3.objects("fragments/")
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
     )
     assert len(ds) == 16
     for i in range(len(ds)):
