@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -310,7 +311,7 @@ def fold_newest_first(catalog: Catalog, frags: Sequence[Fragment], report: Merge
     catalog.forget_keys(sorted(replaced))
     for f in sorted(frags, key=lambda f: f.created, reverse=True):
         _add_shards(catalog, f, report)
-        _drop_void_rows(catalog, f, replaced)
+        _drop_void_rows(catalog, f, replaced, frags)
 
 
 def replaced_when(frags: Sequence[Fragment]) -> dict[str, float]:
@@ -322,11 +323,21 @@ def replaced_when(frags: Sequence[Fragment]) -> dict[str, float]:
     return replaced
 
 
-def _drop_void_rows(catalog: Catalog, f: Fragment, replaced: dict[str, float]) -> None:
-    """Drop the rows just folded from ``f`` of keys a fragment as new or newer replaces."""
-    void = sorted(k for k, at in replaced.items() if f.created <= at)
-    if void:
-        catalog.forget_rows_in_shards(void, [s.name for s in f.shards])
+def _drop_void_rows(
+    catalog: Catalog, f: Fragment, replaced: dict[str, float], frags: Sequence[Fragment]
+) -> None:
+    """Drop the rows just folded from ``f`` of keys a fragment as new or newer replaces. A
+    shard of ``f`` a fragment sealed after the keys were replaced names again is theirs anew
+    (shards are named by their bytes: the same features stored again make the same shard)."""
+    by_time: dict[float, list[str]] = defaultdict(list)
+    for key, at in replaced.items():
+        if f.created <= at:
+            by_time[at].append(key)
+    for at, keys in by_time.items():
+        again = {s.name for g in frags if g.created > at for s in g.shards}
+        catalog.forget_rows_in_shards(
+            sorted(keys), [s.name for s in f.shards if s.name not in again]
+        )
 
 
 def _superseded(catalog: Catalog, frags: Sequence[Fragment]) -> bool:
@@ -370,7 +381,7 @@ def adopt_sealed_parts(catalog: Catalog) -> int:
             _add_shards(catalog, f, adopted)
         except (StoreCorrupt, sqlite3.Error):
             continue
-        _drop_void_rows(catalog, f, replaced)
+        _drop_void_rows(catalog, f, replaced, frags)
     return adopted.new_features
 
 

@@ -1112,37 +1112,47 @@ def test_a_build_adopts_an_unfinished_builds_fragments_newest_first(tmp_path: Pa
 def test_keys_a_build_stores_again_replace_their_rows_wherever_they_were_folded(
     tmp_path: Path,
 ) -> None:
-    """A rank stores keys a and b padded; a merge folds its fragments while it waits (as a
-    bucket's published version then holds them); its padding check then fails, it forgets
-    both and stores a again alone (b's encode fails). Before, the merge kept the rows the
-    catalog held (first row folded wins): a and b served padded. Now the fragment sealed as
-    it forgets says it replaces them: a's row is the one stored again, b has none (a miss,
-    encoded when read), and a merge run again changes nothing."""
+    """A rank stores keys a and b padded (and c, in a shard of its own); a merge folds its
+    fragments while it waits (as a bucket's published version then holds them); its padding
+    check then fails, it forgets all three and stores a again alone (b's encode fails; c's
+    gives the same bytes, so the same shard, named by its bytes). Before, the merge kept the
+    rows the catalog held (first row folded wins): a and b served padded. Now the fragment
+    sealed as it forgets says it replaces them: a's row is the one stored again, b has none (a
+    miss, encoded when read), c's shard sealed again is c's anew, and a merge run again changes
+    nothing."""
     layout = Layout(tmp_path / "store").ensure()
     efp, rfp = "e" * 64, "r" * 64
-    a, b = "a" * 64, "b" * 64
-    rank = FragmentCatalog(layout, RankPart(0, 1, [("a.wav", 10), ("b.wav", 10)]))
+    a, b, c = "a" * 64, "b" * 64, "c" * 64
+    listing = [("a.wav", 10), ("b.wav", 10), ("c.wav", 10)]
+    rank = FragmentCatalog(layout, RankPart(0, 1, listing))
     rank.record_encoder(efp, "enc", "torchscript")
-    rank.replace_root(RootSpec("r", "/d", "enc", efp, rfp, {}), [("a.wav", a), ("b.wav", b)])
+    spec = RootSpec("r", "/d", "enc", efp, rfp, {})
+    rank.replace_root(spec, [("a.wav", a), ("b.wav", b), ("c.wav", c)])
     padded = write_shard(layout, {a: torch.ones(3), b: torch.ones(3)}, efp, rfp)
     rank.add_shard(padded)
+    same = write_shard(layout, {c: torch.zeros(3)}, efp, rfp)
+    rank.add_shard(same)
     merge(layout)  # folds the waiting build's rows
     with Catalog(layout) as cat:
         assert {k: [loc.shard for loc in locs] for k, locs in cat.locate_many([a, b]).items()} == {
             a: [padded.name],
             b: [padded.name],
         }
-    rank.forget_keys([a, b])
+    rank.forget_keys([a, b, c])
     said = [read_fragment(f.path, layout).replaced for f in sealed_fragments(layout)]
     alone = write_shard(layout, {a: torch.full((3,), 2.0)}, efp, rfp)
     rank.add_shard(alone)
+    again = write_shard(layout, {c: torch.zeros(3)}, efp, rfp)
+    assert again.name == same.name
+    rank.add_shard(again)
     rank.finish()
     rank.close()
     assert merge(layout).roots == ["r"]
     with Catalog(layout) as cat:
         assert [loc.shard for loc in cat.locate(a)] == [alone.name]
         assert cat.locate(b) == []
-    assert said == [frozenset(), {a, b}] or said == [{a, b}, frozenset()]  # sealed as it forgot
+        assert [loc.shard for loc in cat.locate(c)] == [same.name]
+    assert sorted(said, key=len) == [frozenset(), frozenset(), {a, b, c}]  # sealed as it forgot
     assert merge(layout).roots == []
 
 

@@ -28,19 +28,23 @@ from tests.bake.test_batching import (
 from tests.store.bucket.conftest import S3
 
 
-@pytest.mark.parametrize("rerun", ["same-node", "other-node", "other-node-after-a-merge"])
+@pytest.mark.parametrize(
+    "rerun", ["same-node", "other-node", "other-node-after-a-merge", "other-node-after-it-failed"]
+)
 def test_a_padded_bucket_build_stopped_and_run_again_anywhere_serves_each_item_as_alone(
     s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rerun: str
 ) -> None:
     """12 clips whose padding drifts by 0.5 only when padded a little, built padded in
     batches of 3 into a bucket and stopped after 9 (3 batches passed the check; the 4th would
-    fail it). The rerun (its own check fails) encodes the 9 again alone wherever it runs, and
-    its end removes the record from the bucket; a third node serves all 12 equal to the encoder
-    run on each alone. Before: on another node 3 of 12 were served off by 0.5, and after a
-    merge of another build in between as well."""
+    fail it), or (``after-it-failed``) after the 4th failed it, before the 9 were encoded
+    again. The rerun encodes the 9 again alone wherever it runs, and its end removes the
+    record from the bucket; a third node serves all 12 equal to the encoder run on each alone.
+    Before: on another node 3 of 12 were served off by 0.5, and after a merge of another build
+    in between as well."""
     data, module = clips(tmp_path / "clips"), LittlePaddingLeaks()
     encoder = save_torchscript(module, tmp_path / "leaky.pt")
-    interrupted_after_padded_batches(data, encoder, s3.url)
+    failed = rerun.endswith("after-it-failed")
+    interrupted_after_padded_batches(data, encoder, s3.url, at=12 if failed else 9)
     assert len(s3.objects("padding/")) == 1  # what the stopped build set out to encode
     if rerun != "same-node":
         monkeypatch.setenv("FEATBAKE_LOCAL_CACHE", str(tmp_path / "node-b"))
@@ -49,8 +53,11 @@ def test_a_padded_bucket_build_stopped_and_run_again_anywhere_serves_each_item_a
         build(tmp_path / "other", encoder, cache=s3.url, workers=0, batching="exact")
         assert s3.objects("catalog/")
     again = build(data, encoder, cache=s3.url, workers=0, batch_size=3, batching="padded")
-    assert again.ok and (again.reused, again.encoded) == (9, 3), again
-    assert "the 9 items padded before were encoded again alone" in again.batching_note
+    if failed:  # the record says a check failed: all it names are encoded again, as work
+        assert again.ok and (again.reused, again.encoded) == (0, 12), again
+    else:
+        assert again.ok and (again.reused, again.encoded) == (9, 3), again
+        assert "the 9 items padded before were encoded again alone" in again.batching_note
     assert s3.objects("padding/") == []
     assert not list((tmp_path / "node-b" / "roots").glob("*.padding"))
     monkeypatch.setenv("FEATBAKE_LOCAL_CACHE", str(tmp_path / "node-c"))
