@@ -300,14 +300,20 @@ def test_two_merges_racing_for_one_version_lose_nothing(
     assert published  # the race happened
     kept = objects.head("catalog/v000000001.sqlite")
     assert kept is not None and kept.etag == published[0]  # never overwritten
-    assert place.objects("catalog/")[0] == "catalog/v000000001.sqlite"
+    assert_merged_into_one_version(place, audio_dir, encoder_file, tmp_path / "reader")
+
+
+def assert_merged_into_one_version(
+    place: Remote | S3, data: Path, encoder: Path, reader: Path
+) -> None:
+    """The bucket holds one catalog version and no fragment, and a reader through the local
+    cache ``reader`` serves all 16 items of ``data``, each equal to the encoder run now."""
+    assert place.objects("catalog/") == ["catalog/v000000001.sqlite"]
     assert not place.objects("fragments/")
-    ds = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=place.url, local_cache=tmp_path / "reader", on_miss="error"
-    )
+    ds = CachedFeatureDataset(data, encoder, cache=place.url, local_cache=reader, on_miss="error")
     assert len(ds) == 16
     for i in range(len(ds)):
-        torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+        torch.testing.assert_close(ds[i], live_features(encoder, Path(ds.path(i))))
 
 
 #: Bounds on waiting for another thread: a hang fails, a slow machine passes.
@@ -362,14 +368,7 @@ def test_two_merges_on_one_node_take_turns_the_second_saying_so_once(
     assert len(heard) == 1 and "\n" not in heard[0], heard
     assert heard[0].startswith(f"another merge of {s3.url} on this node (local cache {tier}")
     assert first.fragments >= 2 and seconds == [0]
-    assert s3.objects("catalog/") == ["catalog/v000000001.sqlite"]
-    assert not s3.objects("fragments/")
-    ds = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "reader", on_miss="error"
-    )
-    assert len(ds) == 16
-    for i in range(len(ds)):
-        torch.testing.assert_close(ds[i], live_features(encoder_file, Path(ds.path(i))))
+    assert_merged_into_one_version(s3, audio_dir, encoder_file, tmp_path / "reader")
 
 
 def test_misses_served_from_a_bucket_are_written_back_and_merged(
