@@ -106,6 +106,7 @@ from featbake.store.roots import (
     RootSpec,
     clear_padding,
     padding_file,
+    padding_of,
     read_padding,
     write_padding,
     write_undecodable,
@@ -972,8 +973,7 @@ class _Bake:
         found inexact (those are encoded again, as work); what it stored before that is kept
         in :attr:`suspects`, encoded again alone if a padding check fails now (see
         :class:`~featbake.store.roots.PaddingRecord`)."""
-        place_of(self.layout).sync_padding(self.report.root)  # each part's, from any node
-        self.padding = read_padding(self.layout, self.report.root)
+        self.padding = self.padding_kept()
         suspects = self.padding.suspects(present)
         if self.padding.inexact:
             self.forget_stored(sorted(suspects))
@@ -1002,8 +1002,16 @@ class _Bake:
         if self.elsewhere is not None and self.runs.batching == Batching.EXACT.value:
             return
         # This part's earlier record kept: what a stopped run of it stored stays suspect.
-        before = read_padding(self.layout, self.report.root, self.padding_part)
+        before = self.padding_kept(self.padding_part)
         self.write_own_padding(before.with_keys(keys))
+
+    def padding_kept(self, part: str | None = None) -> PaddingRecord:
+        """The padding records of this root's build (every part's, or ``part``'s) where the
+        store keeps them: a bucket's objects, whichever node wrote them; a directory's files."""
+        texts = place_of(self.layout).padding_texts(self.report.root, part)
+        if texts is None:
+            return read_padding(self.layout, self.report.root, part)
+        return padding_of(texts)
 
     def padding_failed(self) -> None:
         """A padding check failed: this part's record says so at once, before the next batch
@@ -1023,7 +1031,8 @@ class _Bake:
     def clear_own_padding(self) -> None:
         """This part came to its end: its padding record goes, here and where it was kept."""
         record = padding_file(self.layout, self.report.root, self.padding_part)
-        if self.own_padding is not None or record.exists():  # else there is none to retire
+        kept = self.padding.marks or self.padding.inexact  # a record was kept when it began
+        if self.own_padding is not None or kept or record.exists():  # else none to retire
             place_of(self.layout).retire_padding(record)
             clear_padding(self.layout, self.report.root, self.padding_part)
 

@@ -560,29 +560,19 @@ class BucketStore(ProcessLocalState):
     def retire_padding(self, record: Path) -> None:
         self.bucket.delete([f"{PADDING}{record.name}"])
 
-    def sync_padding(self, name: str) -> None:
-        """The bucket's padding records of root ``name`` made the tier's: each downloaded
-        (through ``tmp/``, then renamed), and a copy whose object is gone removed (its part
-        ended, maybe on another node: a stale copy would only have items encoded again)."""
-        listed = {
-            Path(o.name).name
-            for o in self.bucket.list(f"{PADDING}{name}.")
-            if o.name.endswith(".padding")
-        }
-        roots = self.layout.roots
-        roots.mkdir(parents=True, exist_ok=True)
-        for path in roots.glob(f"{name}.*.padding"):
-            if path.name not in listed:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-        for file_name in sorted(listed):
-            with contextlib.suppress(FileNotFoundError):  # its part ended since the listing
-                name_there = f"{PADDING}{file_name}"
-                publish_file(
-                    roots / file_name,
-                    lambda tmp: self.bucket.download(name_there, tmp),  # noqa: B023 (called here)
-                    tmp_dir=self.layout.tmp,
-                )
+    def padding_texts(self, name: str, part: str | None = None) -> list[str]:
+        """Each padding record of root ``name`` the bucket holds (of part ``part`` alone, if
+        given), read whole; one whose part ended since the listing is left out. Never the
+        tier's files: another process on this node may be writing its part's, and one whose
+        part ended on another node is stale."""
+        prefix = f"{PADDING}{name}." + (f"{part}.padding" if part is not None else "")
+        texts = []
+        for o in self.bucket.list(prefix):
+            if not o.name.endswith(".padding"):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                texts.append(self.bucket.read(o.name).data.decode("utf-8", "replace"))
+        return texts
 
     def publish_shards(self, shards: Sequence[str]) -> None:
         """Upload each shard of ``shards`` from the tier, where this process has not already.

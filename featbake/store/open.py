@@ -390,8 +390,8 @@ class LocalPlace:
     def retire_padding(self, record: Path) -> None:
         return None  # its file is the record
 
-    def sync_padding(self, name: str) -> None:
-        return None  # every part's record is in the directory's roots/
+    def padding_texts(self, name: str, part: str | None = None) -> list[str] | None:
+        return None  # every part's record is a file of the directory's roots/
 
 
 def describe(layout: Layout) -> str:

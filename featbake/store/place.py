@@ -485,10 +485,11 @@ class Place(Protocol):
         (the layout's own copy is the caller's)."""
         ...
 
-    def sync_padding(self, name: str) -> None:
-        """Make the layout's padding records of root ``name`` those the place holds (a bucket:
-        each downloaded, a copy whose part ended on another node removed; a directory's are
-        its own already)."""
+    def padding_texts(self, name: str, part: str | None = None) -> list[str] | None:
+        """The padding records of root ``name`` (of its part ``part`` alone, if given) where
+        the place keeps them, as text: a bucket's objects, whichever node wrote them (the tier's
+        own files are never read: one whose part ended on another node is stale). None for a
+        directory: the layout's files are the records."""
         ...
 
 

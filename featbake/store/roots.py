@@ -454,7 +454,7 @@ def _write_utf8(text: str, path: Path) -> None:
 # fails, as the first run would have), and a build's end removes the record. Each key is
 # recorded by its first :data:`PADDING_MARK` hex digits: one taken for another only costs an
 # item encoded again. A bucket keeps each record as an object too (``padding/``, through the
-# store's place: ``publish_padding``, ``sync_padding``, ``retire_padding``), so a rerun on any
+# store's place: ``publish_padding``, ``padding_texts``, ``retire_padding``), so a rerun on any
 # node reads what a part stopped on another set out to do.
 PADDING_MARK = 16
 
@@ -507,13 +507,27 @@ def read_padding(layout: Layout, name: str, part: str | None = None) -> PaddingR
 
 def _read_padding_file(path: Path) -> PaddingRecord:
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        marks, inexact = doc["marks"], doc["inexact"]
-    except (OSError, ValueError, KeyError, TypeError):
+        return padding_of([path.read_text(encoding="utf-8")])
+    except OSError:
         return PaddingRecord()
-    if not isinstance(marks, list):
-        return PaddingRecord()
-    return PaddingRecord(frozenset(str(m) for m in marks), inexact is True)
+
+
+def padding_of(texts: Iterable[str]) -> PaddingRecord:
+    """The padding records written as ``texts`` (:func:`write_padding`'s), together; one that
+    cannot be read adds nothing (the build before it then left nothing known, as before the
+    record)."""
+    marks: set[str] = set()
+    inexact = False
+    for text in texts:
+        try:
+            doc = json.loads(text)
+            got, failed = doc["marks"], doc["inexact"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(got, list):
+            marks.update(str(m) for m in got)
+            inexact = inexact or failed is True
+    return PaddingRecord(frozenset(marks), inexact)
 
 
 def write_padding(layout: Layout, name: str, part: str, record: PaddingRecord) -> None:

@@ -37,10 +37,10 @@ def test_a_padded_bucket_build_stopped_and_run_again_anywhere_serves_each_item_a
     """12 clips whose padding drifts by 0.5 only when padded a little, built padded in
     batches of 3 into a bucket and stopped after 9 (3 batches passed the check; the 4th would
     fail it), or (``after-it-failed``) after the 4th failed it, before the 9 were encoded
-    again. The rerun encodes the 9 again alone wherever it runs, and its end removes the
-    record from the bucket; a third node serves all 12 equal to the encoder run on each alone.
-    Before: on another node 3 of 12 were served off by 0.5, and after a merge of another build
-    in between as well."""
+    again (rerun then in exact batches). The rerun encodes them again alone wherever it runs,
+    and its end removes the record from the bucket; a third node serves all 12 equal to the
+    encoder run on each alone. Before: on another node 3 of 12 were served off by 0.5, and
+    after a merge of another build in between as well."""
     data, module = clips(tmp_path / "clips"), LittlePaddingLeaks()
     encoder = save_torchscript(module, tmp_path / "leaky.pt")
     failed = rerun.endswith("after-it-failed")
@@ -52,7 +52,8 @@ def test_a_padded_bucket_build_stopped_and_run_again_anywhere_serves_each_item_a
         write_audio_folder(tmp_path / "other", 3, seconds=1.0, seed=77)  # rows into a version
         build(tmp_path / "other", encoder, cache=s3.url, workers=0, batching="exact")
         assert s3.objects("catalog/")
-    again = build(data, encoder, cache=s3.url, workers=0, batch_size=3, batching="padded")
+    batching = "exact" if failed else "padded"  # the record alone has them encoded again
+    again = build(data, encoder, cache=s3.url, workers=0, batch_size=3, batching=batching)
     if failed:  # the record says a check failed: all it names are encoded again, as work
         assert again.ok and (again.reused, again.encoded) == (0, 12), again
     else:
