@@ -1006,12 +1006,12 @@ class _Bake:
         self.write_own_padding(before.with_keys(keys))
 
     def padding_kept(self, part: str | None = None) -> PaddingRecord:
-        """The padding records of this root's build (every part's, or ``part``'s) where the
-        store keeps them: a bucket's objects, whichever node wrote them; a directory's files."""
+        """The padding records of this root's build (every part's, or ``part``'s): the
+        layout's files, and a bucket's objects, whichever node wrote them (a record whose
+        upload failed is still read on its node; a stale copy only has items encoded again)."""
+        here = read_padding(self.layout, self.report.root, part)
         texts = place_of(self.layout).padding_texts(self.report.root, part)
-        if texts is None:
-            return read_padding(self.layout, self.report.root, part)
-        return padding_of(texts)
+        return here if texts is None else here.joined(padding_of(texts))
 
     def padding_failed(self) -> None:
         """A padding check failed: this part's record says so at once, before the next batch

@@ -407,7 +407,7 @@ def gc(
         _note_over_budget(plans[0], as_json)
         return
     if as_json:
-        out.print_json(json.dumps({"plan": plans[0].summary(), "result": result.to_json()}))
+        out.print_json(json.dumps(_gc_json(plans, result)))
     else:
         out.print(
             f"gc: dropped {len(result.roots_dropped)} roots, {result.rows_deleted:,} feature "
@@ -425,6 +425,13 @@ def gc(
         console.print(f"[yellow]warning:[/] {escape(p)}")
     _note_over_budget(plans[-1], as_json)
     _warn_still_over(plans[-1], result, as_json)
+
+
+def _gc_json(plans: list[GcPlan], result: GcResult) -> dict[str, object]:
+    """``gc --json``'s document: the plan, the second pass's (``replanned``) where the first
+    left the store over ``--max-bytes``, and the result."""
+    again = {"replanned": plans[-1].summary()} if len(plans) > 1 else {}
+    return {"plan": plans[0].summary(), **again, "result": result.to_json()}
 
 
 def _warn_still_over(plan: GcPlan, result: GcResult, as_json: bool) -> None:

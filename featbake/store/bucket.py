@@ -562,9 +562,9 @@ class BucketStore(ProcessLocalState):
 
     def padding_texts(self, name: str, part: str | None = None) -> list[str]:
         """Each padding record of root ``name`` the bucket holds (of part ``part`` alone, if
-        given), read whole; one whose part ended since the listing is left out. Never the
-        tier's files: another process on this node may be writing its part's, and one whose
-        part ended on another node is stale."""
+        given), read whole; one whose part ended since the listing is left out. Nothing is
+        written to the tier: another process on this node may be writing its part's record
+        there."""
         prefix = f"{PADDING}{name}." + (f"{part}.padding" if part is not None else "")
         texts = []
         for o in self.bucket.list(prefix):

@@ -1555,23 +1555,26 @@ class UpkeepRows(CatalogConnection):
                 done += c.execute(f"DELETE FROM features WHERE key IN ({q})", chunk).rowcount
         return done
 
-    def forget_rows_in_shards(self, keys: Sequence[str], shards: Sequence[str]) -> int:
-        """Delete the rows of ``keys`` that point into the shards named ``shards`` (rows a
-        fragment folded that a newer one voids, see store/merge.py); how many."""
-        if not keys or not shards:
+    def forget_rows_sealed_by(self, keys: Sequence[str], when: float, kept: Iterable[str]) -> int:
+        """Delete the rows of ``keys`` whose shards were first recorded at or before ``when``,
+        except in the shards named ``kept``: rows a build stored before it replaced those keys
+        (store/merge.py); how many."""
+        if not keys:
             return 0
         done = 0
-        for i in range(0, len(keys), 400):
-            chunk = list(keys[i : i + 400])
-            for j in range(0, len(shards), 400):
-                named = list(shards[j : j + 400])
-                q, n = ",".join("?" * len(chunk)), ",".join("?" * len(named))
-                with self.transaction() as c:
-                    done += c.execute(
-                        f"DELETE FROM features WHERE key IN ({q}) AND shard_id IN "
-                        f"(SELECT id FROM shards WHERE name IN ({n}))",
-                        [*chunk, *named],
-                    ).rowcount
+        with self.transaction() as c:
+            c.execute("CREATE TEMP TABLE IF NOT EXISTS kept_shards (name TEXT PRIMARY KEY)")
+            c.execute("DELETE FROM temp.kept_shards")
+            c.executemany("INSERT OR IGNORE INTO temp.kept_shards VALUES (?)", ((n,) for n in kept))
+            for i in range(0, len(keys), 500):
+                chunk = list(keys[i : i + 500])
+                q = ",".join("?" * len(chunk))
+                done += c.execute(
+                    f"DELETE FROM features WHERE key IN ({q}) AND shard_id IN (SELECT id FROM "
+                    "shards WHERE created <= ? AND name NOT IN "
+                    "(SELECT name FROM temp.kept_shards))",
+                    [*chunk, when],
+                ).rowcount
         return done
 
     def unlink_shard_file(self, name: str, written_at: float | None = None) -> int:

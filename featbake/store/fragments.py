@@ -120,8 +120,9 @@ class DoneRecord:
 def replaced_meta(keys: Iterable[str]) -> dict[str, str]:
     """The meta row of the keys a fragment replaces (none when it replaces none): keys whose
     rows its writer had stored (a failed padding check found them inexact) and stores again,
-    in later fragments. A merge drops their rows from the catalog and folds none of theirs
-    from this fragment or an older one (:func:`featbake.store.merge.fold_newest_first`)."""
+    in later fragments. A merge keeps none of their rows in a shard first recorded at or
+    before this fragment, unless a later fragment names that shard again
+    (:class:`featbake.store.merge.Replacements`)."""
     keys = sorted(set(keys))
     return {"replaced": json.dumps(keys)} if keys else {}
 
@@ -137,6 +138,33 @@ def replaced_of(meta: dict[str, str]) -> frozenset[str]:
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise ValueError("its replaced keys are not a list of keys")
     return frozenset(keys)
+
+
+class Replacing(NamedTuple):
+    """What one sealed fragment says of keys stored again: when it was sealed, the keys it
+    replaces (:func:`replaced_meta`) and the shards it names."""
+
+    created: float
+    replaced: frozenset[str]
+    shards: frozenset[str]
+
+
+def replacing_of(path: Path) -> Replacing | None:
+    """What sealed fragment ``path`` says of keys stored again; None where it cannot be read
+    (gone: merged since; or damaged: a merge reading it whole names it). A fragment of an
+    older format replaces none."""
+
+    def read(conn: sqlite3.Connection) -> Replacing | None:
+        meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
+        try:
+            created, replaced = float(meta["created"]), replaced_of(meta)
+        except (KeyError, ValueError):
+            return None
+        if int(meta.get("format_version", "0")) < 3:
+            return Replacing(created, frozenset(), frozenset())
+        return Replacing(created, replaced, frozenset(_shard_names(conn)))
+
+    return _read_sealed(path, read)
 
 
 def undecodable_of(meta: dict[str, str]) -> tuple[tuple[str, str], ...]:

@@ -35,7 +35,7 @@ import contextlib
 import json
 import sqlite3
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,8 +49,10 @@ from featbake.store.fragments import (
     FragmentKind,
     FragmentName,
     ManifestItem,
+    Replacing,
     fragments_dir,
     read_fragment,
+    replacing_of,
     sealed_fragments,
     serving_fragments,
 )
@@ -218,18 +220,24 @@ def _merged(
     # those inserts from re-reading the same B-tree pages (this connection only, freed at close).
     catalog.conn.execute("PRAGMA cache_size=-262144")
     try:
+        # Every build's, finished or not, dropped before any fold and after each: a build's
+        # fragments are removed once folded, with what they say.
+        void = Replacements.of(replacing_of(n.path) for names in builds.values() for n in names)
+        void.drop_void(catalog)
         frags = _readable(complete, layout, report if skip_damaged else None)
         # Oldest build first, so a newer build of the same root publishes its manifest last.
         for bid in sorted(frags, key=lambda b: max(f.created for f in frags[b])):
             _fold_build(catalog, frags[bid], report, between)
+            void.drop_void(catalog)
             for f in frags[bid]:
                 with contextlib.suppress(FileNotFoundError):
                     f.path.unlink()
             fsync_dir(fragments_dir(layout))
             report.fragments += len(frags[bid])
-        fold_waiting(catalog, waiting, report)
+        fold_waiting(catalog, waiting, report, void)
         if serving:
             _fold_serving(catalog, _readable_serving(serving, layout, skip_damaged, report), report)
+        void.drop_void(catalog)
     finally:
         catalog.close()
     report.pending = pending_builds(layout)
@@ -270,11 +278,15 @@ def _fold_build(
 
 
 def fold_waiting(
-    catalog: Catalog, waiting: dict[str, list[FragmentName]], report: MergeReport
+    catalog: Catalog,
+    waiting: dict[str, list[FragmentName]],
+    report: MergeReport,
+    void: Replacements,
 ) -> None:
     """Fold the shards' rows of builds not finished yet (``waiting``: build id -> its sealed
-    fragments) into the catalog, and retire each such build a later build of its root
-    superseded. A build with an unreadable fragment is left as it is (``pending`` names it)."""
+    fragments) into the catalog, dropping the ``void`` rows after each, and retire each such
+    build a later build of its root superseded. A build with an unreadable fragment is left as
+    it is (``pending`` names it)."""
     for names in waiting.values():
         try:
             frags = [_read(n.path, catalog.layout) for n in names]
@@ -282,6 +294,7 @@ def fold_waiting(
             continue
         folded = MergeReport()
         fold_newest_first(catalog, frags, folded)  # as a finished build's (see _fold_build)
+        void.drop_void(catalog)  # before a superseded build's fragments go with what they say
         report.waiting_shards += folded.shards
         report.new_features += folded.new_features
         report.missing_shards += folded.missing_shards
@@ -295,49 +308,60 @@ def fold_waiting(
 
 
 def fold_newest_first(catalog: Catalog, frags: Sequence[Fragment], report: MergeReport) -> None:
-    """Fold the shards' rows of ``frags`` into the catalog, newest fragment first (the first
-    row of a key folded wins), none of a key a fragment replaces from that fragment or an
-    older one.
-
-    A build that stores a feature again (a later padding check found it inexact, see
-    bake/pipeline.py) seals the new row in a later fragment than the old, and its fragment
-    catalog seals the old rows' fragment at once saying it replaces those keys
-    (:meth:`featbake.store.fragment_catalog.FragmentCatalog.forget_keys`). Their rows already
-    in the catalog (a merge folding this build while it waited, into a bucket's published
-    version) are dropped first; the old rows of those keys folded here are dropped after each
-    fragment (a key not stored again is then a miss, encoded when read, never the old row).
-    """
-    replaced = replaced_when(frags)
-    catalog.forget_keys(sorted(replaced))
+    """Fold the shards' rows of ``frags`` into the catalog, newest fragment first: the first
+    row of a key folded wins, so a feature a build stored again (a later padding check found
+    it inexact, see bake/pipeline.py) in a later fragment wins over the one stored before
+    (which :class:`Replacements` then voids)."""
     for f in sorted(frags, key=lambda f: f.created, reverse=True):
         _add_shards(catalog, f, report)
-        _drop_void_rows(catalog, f, replaced, frags)
 
 
-def replaced_when(frags: Sequence[Fragment]) -> dict[str, float]:
-    """Each key some of ``frags`` replace -> when the newest of those was sealed."""
-    replaced: dict[str, float] = {}
-    for f in frags:
-        for key in f.replaced:
-            replaced[key] = max(replaced.get(key, f.created), f.created)
-    return replaced
+@dataclass(frozen=True)
+class Replacements:
+    """The keys sealed fragments replace, each with when the newest of those was sealed, and
+    when each fragment was sealed with the shards it names.
+
+    A build that stores features again (a failed padding check found them inexact) forgets
+    their keys first; where its rows go to fragments, its fragment catalog seals one at once
+    saying it replaces them (:meth:`featbake.store.fragment_catalog.FragmentCatalog.
+    forget_keys`). The rows of such a key in shards first recorded at or before then are void,
+    whichever build or catalog version holds them (a merge that folded a build while it
+    waited puts its padded rows in a bucket's published version; an engine's workers seal
+    theirs under a build id of their own), except in a shard a fragment sealed after names
+    again: shards are named by their bytes, and the same features stored again make the same
+    shard. A merge drops the void rows before it folds (so the rows stored again are not
+    passed over as a key already held) and after each fold (the old rows folded back);
+    :func:`adopt_sealed_parts` likewise. A key not stored again is then a miss, encoded when
+    read, never the old row."""
+
+    at: dict[str, float]
+    sealed: tuple[tuple[float, frozenset[str]], ...] = ()
+
+    @classmethod
+    def of(cls, fragments: Iterable[Replacing | None]) -> Replacements:
+        read = [f for f in fragments if f is not None]
+        at: dict[str, float] = {}
+        for f in read:
+            for key in f.replaced:
+                at[key] = max(at.get(key, f.created), f.created)
+        return cls(at, tuple((f.created, f.shards) for f in read if at))
+
+    def named_after(self, when: float) -> set[str]:
+        """The shards fragments sealed after ``when`` name."""
+        return {name for created, names in self.sealed if created > when for name in names}
+
+    def drop_void(self, catalog: Catalog) -> None:
+        """Delete the void rows (see the class docstring) from ``catalog``."""
+        by_time: dict[float, list[str]] = defaultdict(list)
+        for key, when in self.at.items():
+            by_time[when].append(key)
+        for when, keys in sorted(by_time.items()):
+            catalog.forget_rows_sealed_by(sorted(keys), when, self.named_after(when))
 
 
-def _drop_void_rows(
-    catalog: Catalog, f: Fragment, replaced: dict[str, float], frags: Sequence[Fragment]
-) -> None:
-    """Drop the rows just folded from ``f`` of keys a fragment as new or newer replaces. A
-    shard of ``f`` a fragment sealed after the keys were replaced names again is theirs anew
-    (shards are named by their bytes: the same features stored again make the same shard)."""
-    by_time: dict[float, list[str]] = defaultdict(list)
-    for key, at in replaced.items():
-        if f.created <= at:
-            by_time[at].append(key)
-    for at, keys in by_time.items():
-        again = {s.name for g in frags if g.created > at for s in g.shards}
-        catalog.forget_rows_in_shards(
-            sorted(keys), [s.name for s in f.shards if s.name not in again]
-        )
+def replacing(f: Fragment) -> Replacing:
+    """What a fragment read whole says of keys stored again."""
+    return Replacing(f.created, f.replaced, frozenset(s.name for s in f.shards))
 
 
 def _superseded(catalog: Catalog, frags: Sequence[Fragment]) -> bool:
@@ -375,13 +399,14 @@ def adopt_sealed_parts(catalog: Catalog) -> int:
             frags.append(_read(name.path, catalog.layout))
         except (StoreCorrupt, sqlite3.Error):
             continue  # unreadable, or merged meanwhile: its keys are encoded or in the catalog
-    replaced = replaced_when(frags)  # rows void, as a merge folds them: never adopted
+    void = Replacements.of(map(replacing, frags))  # as a merge drops them: never adopted
+    void.drop_void(catalog)
     for f in sorted(frags, key=lambda f: f.created, reverse=True):
         try:  # its rows are copied from the file (ATTACH): merged and removed meanwhile
             _add_shards(catalog, f, adopted)
         except (StoreCorrupt, sqlite3.Error):
             continue
-        _drop_void_rows(catalog, f, replaced, frags)
+    void.drop_void(catalog)
     return adopted.new_features
 
 

@@ -486,10 +486,10 @@ class Place(Protocol):
         ...
 
     def padding_texts(self, name: str, part: str | None = None) -> list[str] | None:
-        """The padding records of root ``name`` (of its part ``part`` alone, if given) where
-        the place keeps them, as text: a bucket's objects, whichever node wrote them (the tier's
-        own files are never read: one whose part ended on another node is stale). None for a
-        directory: the layout's files are the records."""
+        """The padding records of root ``name`` (of its part ``part`` alone, if given) the
+        place keeps beside the layout's files, as text: a bucket's objects, whichever node
+        wrote them (read, never copied over the tier's files, which another process on this
+        node may be writing). None for a directory: the layout's files are the records."""
         ...
 
 

@@ -478,6 +478,10 @@ class PaddingRecord:
         """This record with ``keys`` added."""
         return PaddingRecord(self.marks | {k[:PADDING_MARK] for k in keys}, self.inexact)
 
+    def joined(self, other: PaddingRecord) -> PaddingRecord:
+        """This record and ``other`` together: the keys of both; inexact if either says so."""
+        return PaddingRecord(self.marks | other.marks, self.inexact or other.inexact)
+
     def suspects(self, keys: Iterable[str]) -> set[str]:
         """Those of ``keys`` the record names: stored, maybe from padded batches."""
         return {k for k in keys if k[:PADDING_MARK] in self.marks}

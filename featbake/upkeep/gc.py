@@ -724,14 +724,25 @@ class GcResult:
     stored_bytes: int | None = None
 
     def __add__(self, other: GcResult) -> GcResult:
-        summed = [f.name for f in fields(self) if f.name not in ("published", "stored_bytes")]
+        """Two steps' or passes' results together: what each did, summed (``young_shards``
+        too: one step sweeps); ``problems`` each said once; ``stored_bytes``, the later's where
+        it says."""
+        summed = [f.name for f in fields(self) if f.name not in _NOT_SUMMED]
         added = {name: getattr(self, name) + getattr(other, name) for name in summed}
         stored = self.stored_bytes if other.stored_bytes is None else other.stored_bytes
-        published = self.published or other.published
-        return GcResult(**added, published=published, stored_bytes=stored)
+        return GcResult(
+            **added,
+            published=self.published or other.published,
+            problems=list(dict.fromkeys(self.problems + other.problems)),
+            stored_bytes=stored,
+        )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+#: :class:`GcResult` fields its ``+`` does not sum.
+_NOT_SUMMED = ("published", "problems", "stored_bytes")
 
 
 def gc(
@@ -787,8 +798,9 @@ def gc(
         stored = stored_bytes(layout)
         if plan.unforeseen_bytes(stored):
             place_of(layout).settle()
-            again = _shown_plan(layout, options, now, drop, on_plan)
-            result += execute_gc(again, progress) + GcResult(passes=1)
+            again = execute_gc(_shown_plan(layout, options, now, drop, on_plan), progress)
+            # The unnamed shards kept are the store's now: the second sweep's count alone.
+            result = dataclasses.replace(result, young_shards=0) + again + GcResult(passes=1)
             stored = stored_bytes(layout)
         return result + GcResult(passes=1, stored_bytes=stored)
 

@@ -1171,3 +1171,63 @@ def test_a_fragment_whose_replaced_keys_cannot_be_read_is_damaged(tmp_path: Path
     conn.close()
     with pytest.raises(StoreCorrupt, match="move it aside and rerun that rank"):
         read_fragment(fragment.path, layout)
+
+
+@pytest.mark.parametrize("stored_by", ["another root", "the root rebuilt"])
+def test_rows_stored_after_a_waiting_build_replaced_their_key_are_kept(
+    tmp_path: Path, stored_by: str
+) -> None:
+    """Part 0/2 of a build of root w stores a padded, forgets it (its check failed) and is
+    killed. Afterwards a build in one process stores a exactly: of another root (the same
+    clip elsewhere: the same key), or of w again, superseding the parts. Every later merge
+    keeps that row: only rows in shards recorded before the part forgot a are void. Before
+    (as first written), every merge dropped each row of a, and with w rebuilt the superseded
+    parts' fragments went: a was lost for good."""
+    layout = Layout(tmp_path / "store").ensure()
+    efp, rfp = "e" * 64, "r" * 64
+    a = "a" * 64
+    spec = RootSpec("w", "/d", "enc", efp, rfp, {})
+    rank = FragmentCatalog(layout, RankPart(0, 2, [("a.wav", 10), ("z.wav", 10)]))
+    rank.record_encoder(efp, "enc", "torchscript")
+    rank.replace_root(spec, [("a.wav", a)])
+    rank.add_shard(write_shard(layout, {a: torch.ones(3)}, efp, rfp))
+    rank.forget_keys([a])
+    rank.close()  # killed before it stored a again
+    later = max(read_fragment(f.path, layout).created for f in sealed_fragments(layout)) + 1
+    other = RootSpec("s", "/other", "enc", efp, rfp, {})
+    with Catalog(layout) as cat:
+        cat.record_encoder(efp, "enc", "torchscript")
+        cat.replace_root(other if stored_by == "another root" else spec, [("a.wav", a)], now=later)
+        exact = write_shard(layout, {a: torch.full((3,), 2.0)}, efp, rfp)
+        cat.add_shard(exact, now=later)
+    for _ in range(2):
+        merge(layout)
+        with Catalog(layout) as cat:
+            assert [loc.shard for loc in cat.locate(a)] == [exact.name]
+    superseded = stored_by == "the root rebuilt"
+    assert (list(sealed_fragments(layout)) == []) == superseded
+
+
+def test_an_engine_drivers_replacement_voids_what_its_workers_stored(tmp_path: Path) -> None:
+    """An engine build: a worker seals a padded under the workers' build id; the driver,
+    whose check then failed, forgets a in its own fragments (its build id), and a is not
+    stored again. Before, the merge folded the worker's padded row back after the driver's
+    fragments: it was served. Now it is void whichever build holds it: a is a miss."""
+    layout = Layout(tmp_path / "store").ensure()
+    efp, rfp = "e" * 64, "r" * 64
+    a = "a" * 64
+    spec = RootSpec("w", "/d", "enc", efp, rfp, {})
+    worker = FragmentCatalog(layout, RankPart(0, 1, ()))
+    worker.record_encoder(efp, "enc", "torchscript")
+    worker.replace_root(spec, [])
+    worker.add_shard(write_shard(layout, {a: torch.ones(3)}, efp, rfp))
+    worker.close()
+    driver = FragmentCatalog(layout, RankPart(0, 1, [("a.wav", 10)]))
+    driver.record_encoder(efp, "enc", "torchscript")
+    driver.replace_root(spec, [("a.wav", a)])
+    driver.forget_keys([a])
+    driver.finish()
+    driver.close()
+    merge(layout)
+    with Catalog(layout) as cat:
+        assert cat.locate(a) == []
