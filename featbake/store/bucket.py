@@ -1162,7 +1162,9 @@ def merge_bucket(store: BucketStore, *, between: Between = None) -> MergeReport:
                 with contextlib.suppress(OSError):
                     (here / name).unlink()
 
-        return Change(report, bool(folded), retire)
+        # Published where rows the version held were found void, though nothing was folded
+        # for good (the build that replaced them waits for a part): else it served them on.
+        return Change(report, bool(folded) or report.void_rows > 0, retire)
 
     # One merge at a time on this node, as gc runs take turns (upkeep/gc.py): two folding the
     # tier's copies at once each linked what the other's retire unlinked, and folded it twice.

@@ -1620,10 +1620,20 @@ class UpkeepRows(CatalogConnection):
         """Record a shard written by compaction and point the moved rows at it, atomically.
 
         ``moved`` holds :class:`MovedRow` (key, part, old shard id); a row that changed
-        meanwhile is left as is. Returns how many rows now point at the new shard.
+        meanwhile is left as is. Returns how many rows now point at the new shard. The shard is
+        recorded as old as the oldest shard its rows come from: a row's shard's age says
+        whether a later replacement of its key voids it (store/merge.py ``Replacements``), and
+        a move must not make a void row look newer.
         """
         now = time.time() if now is None else now
+        olds = sorted({m.old_shard_id for m in map(MovedRow._make, moved)})
         with self.transaction() as c:
+            for i in range(0, len(olds), 500):
+                chunk = olds[i : i + 500]
+                q = ",".join("?" * len(chunk))
+                oldest = c.execute(f"SELECT MIN(created) FROM shards WHERE id IN ({q})", chunk)
+                first = oldest.fetchone()[0]
+                now = now if first is None else min(now, float(first))
             sid = insert_shard(c, shard, now, ShardSize.of(shard))
             before = c.total_changes
             c.executemany(

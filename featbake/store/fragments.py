@@ -158,9 +158,10 @@ def replacing_of(path: Path) -> Replacing | None:
         meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
         try:
             created, replaced = float(meta["created"]), replaced_of(meta)
-        except (KeyError, ValueError):
-            return None
-        if int(meta.get("format_version", "0")) < 3:
+            legacy = int(meta.get("format_version", "0")) < 3
+        except (KeyError, ValueError, TypeError):
+            return None  # damaged: the merge reading it whole names it, or skips it
+        if legacy:
             return Replacing(created, frozenset(), frozenset())
         return Replacing(created, replaced, frozenset(_shard_names(conn)))
 

@@ -101,6 +101,10 @@ class MergeReport:
     waiting_shards: int = 0
     #: roots whose unfinished build was retired: a later build of the root was published
     superseded: list[str] = field(default_factory=list)
+    #: rows the catalog held, before this merge folded anything, that a build's replacement
+    #: voids (:class:`Replacements`): a bucket publishes their drop even where nothing else
+    #: changed
+    void_rows: int = 0
 
     def to_json(self) -> dict:
         return {
@@ -111,6 +115,7 @@ class MergeReport:
             "new_features": self.new_features,
             "waiting_shards": self.waiting_shards,
             "superseded": self.superseded,
+            "void_rows": self.void_rows,
             "missing_shards": self.missing_shards,
             "pending": [p.__dict__ | {"ranks_done": list(p.ranks_done)} for p in self.pending],
         }
@@ -223,7 +228,7 @@ def _merged(
         # Every build's, finished or not, dropped before any fold and after each: a build's
         # fragments are removed once folded, with what they say.
         void = Replacements.of(replacing_of(n.path) for names in builds.values() for n in names)
-        void.drop_void(catalog)
+        report.void_rows = void.drop_void(catalog)
         frags = _readable(complete, layout, report if skip_damaged else None)
         # Oldest build first, so a newer build of the same root publishes its manifest last.
         for bid in sorted(frags, key=lambda b: max(f.created for f in frags[b])):
@@ -350,13 +355,15 @@ class Replacements:
         """The shards fragments sealed after ``when`` name."""
         return {name for created, names in self.sealed if created > when for name in names}
 
-    def drop_void(self, catalog: Catalog) -> None:
-        """Delete the void rows (see the class docstring) from ``catalog``."""
+    def drop_void(self, catalog: Catalog) -> int:
+        """Delete the void rows (see the class docstring) from ``catalog``; how many."""
         by_time: dict[float, list[str]] = defaultdict(list)
         for key, when in self.at.items():
             by_time[when].append(key)
-        for when, keys in sorted(by_time.items()):
+        return sum(
             catalog.forget_rows_sealed_by(sorted(keys), when, self.named_after(when))
+            for when, keys in sorted(by_time.items())
+        )
 
 
 def replacing(f: Fragment) -> Replacing:

@@ -51,6 +51,7 @@ from featbake.store.merge import adopt_sealed_parts, merge, pending_builds
 from featbake.store.roots import RootSpec
 from featbake.store.shard import SealedShard, ShardEntry, write_shard
 from featbake.testing import make_tone, write_audio_folder
+from featbake.upkeep.gc import GcOptions, gc
 from tests.conftest import REPO, invoke, live_features
 from tests.helpers import assert_store_consistent, fails_after, stored_features
 
@@ -1231,3 +1232,59 @@ def test_an_engine_drivers_replacement_voids_what_its_workers_stored(tmp_path: P
     merge(layout)
     with Catalog(layout) as cat:
         assert cat.locate(a) == []
+
+
+@pytest.mark.parametrize("compacted", [False, True])
+def test_a_void_row_gc_moves_stays_void(tmp_path: Path, compacted: bool) -> None:
+    """A merge lists the fragments, then a part forgets key a (its padding check fails), so
+    that merge folds the part's padded row of a back into the catalog; a is stored again; a
+    gc compacts the small shards before the next merge. Before, compaction recorded the moved
+    padded row's new shard as new, so the next merge kept it over the row stored again: the
+    padded row was served. A compacted shard is as old as the oldest its rows came from."""
+    layout = Layout(tmp_path / "store").ensure()
+    efp, rfp = "e" * 64, "r" * 64
+    a, c = "a" * 64, "c" * 64
+    rank = FragmentCatalog(layout, RankPart(0, 2, [("a.wav", 10), ("z.wav", 10)]))
+    rank.record_encoder(efp, "enc", "torchscript")
+    rank.replace_root(RootSpec("w", "/d", "enc", efp, rfp, {}), [("a.wav", a)])
+    rank.add_shard(write_shard(layout, {a: torch.ones(3)}, efp, rfp))  # padded
+    other = FragmentCatalog(layout, RankPart(0, 1, [("c.wav", 10)]))
+    other.record_encoder(efp, "enc", "torchscript")
+    other.replace_root(RootSpec("o", "/o", "enc", efp, rfp, {}), [("c.wav", c)])
+    other.add_shard(write_shard(layout, {c: torch.zeros(3)}, efp, rfp))
+    other.finish()
+    other.close()
+
+    def check_fails(step: str) -> None:
+        if step == "root":  # the part forgets a, in its fragments and in the store's catalog
+            rank.forget_keys([a])
+            with Catalog(layout) as cat:
+                cat.forget_keys([a])
+
+    merge(layout, between=check_fails)
+    exact = write_shard(layout, {a: torch.full((3,), 2.0)}, efp, rfp)
+    rank.add_shard(exact)
+    if compacted:
+        assert gc(layout, GcOptions(merge_small=True, grace=0.0)).shards_written >= 1
+    merge(layout)
+    with Catalog(layout) as cat:
+        assert [loc.shard for loc in cat.locate(a)] == [exact.name]
+
+
+def test_a_fragment_whose_format_cannot_be_read_leaves_merges_going(tmp_path: Path) -> None:
+    """A waiting part's fragment whose format version is not a number: every merge raised
+    `ValueError` reading what it replaces. It is left waiting (unreadable), as before."""
+    layout = Layout(tmp_path / "store").ensure()
+    efp, rfp = "e" * 64, "r" * 64
+    rank = FragmentCatalog(layout, RankPart(0, 2, [("a.wav", 10)]))
+    rank.record_encoder(efp, "enc", "torchscript")
+    rank.replace_root(RootSpec("w", "/d", "enc", efp, rfp, {}), [("a.wav", "a" * 64)])
+    rank.add_shard(write_shard(layout, {"a" * 64: torch.ones(3)}, efp, rfp))
+    rank.close()
+    (fragment,) = sealed_fragments(layout)
+    conn = sqlite3.connect(fragment.path)
+    with conn:
+        conn.execute("UPDATE meta SET value = '3.x' WHERE name = 'format_version'")
+    conn.close()
+    report = merge(layout)
+    assert fragment.path.exists() and report.new_features == 0

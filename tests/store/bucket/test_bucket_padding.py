@@ -7,8 +7,9 @@ may pad records the keys it sets out to encode before it encodes any (store/root
 record was a file of the node's tier, so a rerun on another node read none and reused the items
 stored padded, served off by the padding's drift. And where a merge had folded the stopped
 build's rows into a published version, the rerun's rows encoded again lost to them at its own
-merge (the first row folded wins). The stores are real (moto's S3 on loopback), and every item
-served is compared with the encoder run now on that item alone.
+merge (the first row folded wins), and a version that held such rows kept them until a build
+finished. The stores are real (moto's S3 on loopback), and every item served is compared with
+the encoder run now on that item alone.
 """
 
 from __future__ import annotations
@@ -16,8 +17,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from featbake.bake.pipeline import build
+from featbake.store.bucket import merge_bucket
+from featbake.store.catalog import Catalog
+from featbake.store.fragment_catalog import FragmentCatalog, RankPart
+from featbake.store.open import open_store
+from featbake.store.roots import RootSpec
+from featbake.store.shard import write_shard
 from featbake.testing import save_torchscript, write_audio_folder
 from tests.bake.test_batching import (
     LittlePaddingLeaks,
@@ -25,7 +33,7 @@ from tests.bake.test_batching import (
     clips,
     interrupted_after_padded_batches,
 )
-from tests.store.bucket.conftest import S3
+from tests.store.bucket.conftest import S3, bucket_store
 
 
 @pytest.mark.parametrize(
@@ -64,3 +72,38 @@ def test_a_padded_bucket_build_stopped_and_run_again_anywhere_serves_each_item_a
     assert list(tier.rglob("roots")) and not list(tier.rglob("*.padding"))  # nor its copy
     monkeypatch.setenv("FEATBAKE_LOCAL_CACHE", str(tmp_path / "node-c"))
     assert_serves_alone(data, module, encoder, cache=s3.url)
+
+
+def test_void_rows_a_version_holds_are_dropped_from_it_while_their_build_waits(
+    s3: S3, tmp_path: Path
+) -> None:
+    """Part 0/2 stores key a padded; another build's merge publishes its rows with that
+    build's; part 0's check then fails: it forgets a, stores it again and ends, part 1 never
+    run. Before, each merge dropped the padded row in its working copy but published nothing
+    (no build finished), so the bucket went on serving it. Now the merge that finds rows the
+    version held void publishes: a fresh node reads the row stored again."""
+    efp, rfp = "e" * 64, "r" * 64
+    a, c = "a" * 64, "c" * 64
+    layout = open_store(s3.url, local_cache=tmp_path / "node-a")
+    part = FragmentCatalog(layout, RankPart(0, 2, [("a.wav", 10), ("z.wav", 10)]))
+    part.record_encoder(efp, "enc", "torchscript")
+    part.replace_root(RootSpec("w", "/d", "enc", efp, rfp, {}), [("a.wav", a)])
+    part.add_shard(write_shard(layout, {a: torch.ones(3)}, efp, rfp))  # padded
+    part.flush()
+    other = FragmentCatalog(layout, RankPart(0, 1, [("c.wav", 10)]))
+    other.record_encoder(efp, "enc", "torchscript")
+    other.replace_root(RootSpec("o", "/o", "enc", efp, rfp, {}), [("c.wav", c)])
+    other.add_shard(write_shard(layout, {c: torch.zeros(3)}, efp, rfp))
+    assert other.finish() is not None
+    other.close()
+    merge_bucket(bucket_store(s3.url, tmp_path / "node-m"))  # the waiting padded row too
+    part.forget_keys([a])
+    exact = write_shard(layout, {a: torch.full((3,), 2.0)}, efp, rfp)
+    part.add_shard(exact)
+    part.close()
+    report = merge_bucket(bucket_store(s3.url, tmp_path / "node-m"))
+    assert report.void_rows == 1
+    fresh = bucket_store(s3.url, tmp_path / "node-r")
+    fresh.sync_catalog()
+    with Catalog(fresh.layout, read_only=True) as cat:
+        assert [loc.shard for loc in cat.locate(a)] == [exact.name]
