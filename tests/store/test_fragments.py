@@ -39,6 +39,7 @@ from featbake.store.fragments import (
     BuildInfo,
     DoneRecord,
     FragmentKind,
+    FragmentName,
     fragment_shard_names,
     fragments_dir,
     read_fragment,
@@ -1157,6 +1158,16 @@ def test_keys_a_build_stores_again_replace_their_rows_wherever_they_were_folded(
     assert merge(layout).roots == []
 
 
+def the_fragment_with_meta(layout: Layout, name: str, value: str) -> FragmentName:
+    """The store's one sealed fragment, its meta row ``name`` set to ``value`` (damaged)."""
+    (fragment,) = sealed_fragments(layout)
+    conn = sqlite3.connect(fragment.path)
+    with conn:
+        conn.execute("UPDATE meta SET value = ? WHERE name = ?", (value, name))
+    conn.close()
+    return fragment
+
+
 def test_a_fragment_whose_replaced_keys_cannot_be_read_is_damaged(tmp_path: Path) -> None:
     """A fragment whose record of the keys it replaces is unreadable is never folded (its
     old rows would be kept as if sound): reading it says it is damaged and what to do."""
@@ -1165,11 +1176,7 @@ def test_a_fragment_whose_replaced_keys_cannot_be_read_is_damaged(tmp_path: Path
     rank.replace_root(RootSpec("r", "/d", "enc", "e" * 64, "r" * 64, {}), [("a.wav", "a" * 64)])
     rank.forget_keys(["a" * 64])
     rank.close()
-    (fragment,) = sealed_fragments(layout)
-    conn = sqlite3.connect(fragment.path)
-    with conn:
-        conn.execute("UPDATE meta SET value = '{\"a\": 1}' WHERE name = 'replaced'")
-    conn.close()
+    fragment = the_fragment_with_meta(layout, "replaced", '{"a": 1}')
     with pytest.raises(StoreCorrupt, match="move it aside and rerun that rank"):
         read_fragment(fragment.path, layout)
 
@@ -1281,10 +1288,6 @@ def test_a_fragment_whose_format_cannot_be_read_leaves_merges_going(tmp_path: Pa
     rank.replace_root(RootSpec("w", "/d", "enc", efp, rfp, {}), [("a.wav", "a" * 64)])
     rank.add_shard(write_shard(layout, {"a" * 64: torch.ones(3)}, efp, rfp))
     rank.close()
-    (fragment,) = sealed_fragments(layout)
-    conn = sqlite3.connect(fragment.path)
-    with conn:
-        conn.execute("UPDATE meta SET value = '3.x' WHERE name = 'format_version'")
-    conn.close()
+    fragment = the_fragment_with_meta(layout, "format_version", "3.x")
     report = merge(layout)
     assert fragment.path.exists() and report.new_features == 0
