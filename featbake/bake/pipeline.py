@@ -1023,10 +1023,8 @@ class _Bake:
     def write_own_padding(self, record: PaddingRecord) -> None:
         """This part's padding record made ``record``, where a rerun on any node reads it."""
         self.own_padding = record
-        write_padding(self.layout, self.report.root, self.padding_part, record)
-        place_of(self.layout).publish_padding(
-            padding_file(self.layout, self.report.root, self.padding_part)
-        )
+        written = write_padding(self.layout, self.report.root, self.padding_part, record)
+        place_of(self.layout).publish_padding(written)
 
     def clear_own_padding(self) -> None:
         """This part came to its end: its padding record goes, here and where it was kept."""

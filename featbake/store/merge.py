@@ -225,11 +225,15 @@ def _merged(
     # those inserts from re-reading the same B-tree pages (this connection only, freed at close).
     catalog.conn.execute("PRAGMA cache_size=-262144")
     try:
-        # Every build's, finished or not, dropped before any fold and after each: a build's
-        # fragments are removed once folded, with what they say.
-        void = Replacements.of(replacing_of(n.path) for names in builds.values() for n in names)
-        report.void_rows = void.drop_void(catalog)
         frags = _readable(complete, layout, report if skip_damaged else None)
+        # Every build's, finished or not, dropped before any fold and after each: a build's
+        # fragments are removed once folded, with what they say. (Those read whole already
+        # are not opened again.)
+        read = [f for build in frags.values() for f in build]
+        named = {f.path for f in read}
+        others = (n.path for names in builds.values() for n in names if n.path not in named)
+        void = Replacements.of([*map(replacing, read), *map(replacing_of, others)])
+        report.void_rows = void.drop_void(catalog)
         # Oldest build first, so a newer build of the same root publishes its manifest last.
         for bid in sorted(frags, key=lambda b: max(f.created for f in frags[b])):
             _fold_build(catalog, frags[bid], report, between)

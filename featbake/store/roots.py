@@ -534,9 +534,9 @@ def padding_of(texts: Iterable[str]) -> PaddingRecord:
     return PaddingRecord(frozenset(marks), inexact)
 
 
-def write_padding(layout: Layout, name: str, part: str, record: PaddingRecord) -> None:
+def write_padding(layout: Layout, name: str, part: str, record: PaddingRecord) -> Path:
     """Record ``record`` for part ``part`` of root ``name``'s build (tmp, rename, durable:
-    written before any feature it names is sealed).
+    written before any feature it names is sealed); the file written.
 
     Raises:
         StoreError: the store is not writable.
@@ -551,6 +551,7 @@ def write_padding(layout: Layout, name: str, part: str, record: PaddingRecord) -
             f"could not record what this build encodes in {final}: {e.strerror or e}; check "
             "that the cache directory is writable"
         ) from e
+    return final
 
 
 def clear_padding(layout: Layout, name: str, part: str) -> None:
