@@ -239,7 +239,13 @@ EXACT_TOLERANCE: dict[str, Tolerance] = {
 
 
 def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager[None]:
-    """``torch.autocast`` for ``precision`` on ``device``; a no-op for ``fp32``.
+    """``torch.autocast`` for ``precision`` on ``device``; for ``fp32``, autocast switched
+    off there.
+
+    A recipe's precision is what runs, whatever the caller's context: a training loop reading
+    a dataset's misses (``num_workers=0``) inside its own ``torch.autocast`` would otherwise
+    encode an fp32 recipe's items in bf16 and store them under the fp32 key, served later as
+    exact (0.4% off).
 
     Autocast (not ``module.half()``) keeps weights, norms and softmax in fp32 where torch's
     autocast lists say so, which is how mixed-precision inference is usually run. bf16 and fp16
@@ -252,8 +258,17 @@ def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractCon
     """
     dtype = AUTOCAST_DTYPES.get(precision)
     if dtype is None:
-        return contextlib.nullcontext()
+        return _no_autocast(device.type)
     return _autocast(device.type, dtype)
+
+
+def _no_autocast(device_type: str) -> contextlib.AbstractContextManager[None]:
+    """Autocast off on ``device_type`` (a device autocast has no kind for, ``meta``: nothing
+    to switch off; torch before 2.4 cannot say which those are, and runs each as it is)."""
+    available = getattr(torch.amp, "is_autocast_available", None)
+    if available is None or not available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, enabled=False)
 
 
 @contextlib.contextmanager

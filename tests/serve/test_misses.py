@@ -2370,3 +2370,22 @@ def test_a_miss_not_finite_as_stored_is_refused_never_served_or_written_back(
     for i in refused:
         with pytest.raises(CacheMiss):
             again[i]
+
+
+def test_a_miss_read_inside_the_callers_autocast_is_encoded_at_the_recipes_precision(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path
+) -> None:
+    """A training loop reading a dataset (``num_workers=0``) inside its own
+    ``torch.autocast(bfloat16)``: the fp32 recipe's misses were encoded in bf16 and written
+    back under the fp32 keys, and a later run served them as exact (about 0.4% off, far past
+    float16's rounding). The recipe's precision is what runs, whatever the caller's context."""
+    store = tmp_path / "store"
+    ds = CachedFeatureDataset(audio_dir, encoder=encoder_file, cache=store)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = [ds[i] for i in range(len(ds))]
+    ds.close()
+    later = CachedFeatureDataset(audio_dir, encoder=encoder_file, cache=store, on_miss="error")
+    for i in range(len(later)):
+        want = live_features(encoder_file, Path(later.path(i)))
+        torch.testing.assert_close(under[i], want)
+        torch.testing.assert_close(later[i], want)
