@@ -195,6 +195,24 @@ def module_fingerprint(module: torch.nn.Module, identity: str) -> str:
     return state_dict_fingerprint(named.items(), identity)
 
 
+def unsaved_state_fingerprint(module: torch.nn.Module) -> str:
+    """A digest of what of ``module`` a weights file loaded into it does not hold: each saved
+    tensor's name, dtype and shape (a default dtype of float64 at construction), and the
+    values of its non-persistent buffers and public tensor attributes (a filter bank read from
+    a file beside the code, a gain read from the environment at ``__init__``).
+
+    An import-path encoder's fingerprint is cached against its identity and its weights
+    file's stat (:func:`~featbake.encode.fingerprints.encoder_cache_id`): without this, a
+    buffer its factory computed differently kept the fingerprint of the one first hashed.
+    """
+    saved = module.state_dict(keep_vars=False)
+    shapes = [[name, str(t.dtype), list(t.shape)] for name, t in saved.items()]
+    unsaved = {name: buf.detach() for name, buf in module.named_buffers() if name not in saved}
+    for name, value in tensor_attributes(module):
+        unsaved.setdefault(f"attribute:{name}", value.detach())
+    return state_dict_fingerprint(unsaved.items(), canonical_json(shapes).decode())
+
+
 def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(submodule.name, tensor)`` of every submodule's public attribute
     (:func:`keyed_attribute`) that is a tensor and no parameter or buffer (those live in

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
-from featbake.keys import canonical_json, sha256_file, sha256_hex
+from featbake.keys import canonical_json, sha256_file, sha256_hex, unsaved_state_fingerprint
 from featbake.progress import Progress
 from featbake.store.byteplace import BytePlace, Digest, bytes_at
 from featbake.store.containers import Holder, ReadBack
@@ -524,14 +524,17 @@ def encoder_cache_id(encoder: LoadedEncoder, weights: str | None) -> tuple[str, 
 
     A TorchScript or .pt2 file holds its architecture and weights, so its fingerprint depends on
     the file alone. An import-path encoder's architecture lives in code, so its id includes the
-    identity (its repr and code digest) beside the weights file. A pickle's class lives in code
+    identity (its repr and code digest) beside the weights file, and what that file does not
+    hold (:func:`~featbake.keys.unsaved_state_fingerprint`: buffers its factory computed,
+    tensor attributes, the dtypes it made). A pickle's class lives in code
     too: its id includes the identity beside the file, under an ``encoder-fp:pickle:`` prefix
     that :func:`cached_file_encoder_fp` never looks up (a pickle cannot be vouched for unloaded).
     """
     from featbake.encode.encoders import PICKLE  # torch: not at import (see the module's doc)
 
     if weights is not None:
-        ident = sha256_hex(f"{encoder.identity}\n{resolve_path(weights)}".encode())
+        unsaved = unsaved_state_fingerprint(encoder.module)
+        ident = sha256_hex(f"{encoder.identity}\n{resolve_path(weights)}\n{unsaved}".encode())
         return f"{ENCODER_FP_PREFIX}import:{ident}", weights
     if encoder.kind == PICKLE and os.path.isfile(encoder.label):
         ident = sha256_hex(f"{encoder.identity}\n{resolve_path(encoder.label)}".encode())

@@ -142,6 +142,75 @@ def test_import_path_with_safetensors_weights(tmp_path: Path, enc_module: Path) 
     assert bare.fingerprint != enc.fingerprint  # the weights are in the fingerprint
 
 
+GAIN_MODULE = textwrap.dedent(
+    """
+    import os
+
+    import numpy as np
+    import torch
+    from featbake.testing import TinyConvEncoder
+
+
+    class Gained(TinyConvEncoder):
+        def __init__(self):
+            super().__init__()
+            gain = float(os.environ["FEATBAKE_TEST_GAIN"])
+            self.register_buffer("gain", torch.tensor(gain), persistent=False)
+            self.bank = torch.from_numpy(np.load(os.environ["FEATBAKE_TEST_BANK"]))
+
+        def forward(self, wav):
+            return super().forward(wav) * self.gain + self.bank
+
+
+    def make():
+        return Gained()
+    """
+)
+
+
+@pytest.mark.parametrize("changed", ["buffer", "attribute"])
+def test_a_buffer_or_tensor_its_factory_made_otherwise_is_a_new_import_path_encoder(
+    tmp_path: Path, audio_dir: Path, monkeypatch: pytest.MonkeyPatch, changed: str
+) -> None:
+    """An import-path encoder's fingerprint was cached against its identity and its weights
+    file alone: a non-persistent buffer (a gain read from the environment) or a tensor
+    attribute (a filter bank read from a file beside the code) its factory made otherwise
+    kept the old fingerprint, so the rebuild reused every item and the dataset served the old
+    features (1.5x off). What the weights file does not hold is in the cache's id now."""
+    pkg = tmp_path / "pkgs"
+    pkg.mkdir()
+    (pkg / "gain_enc_mod.py").write_text(GAIN_MODULE)
+    monkeypatch.syspath_prepend(str(pkg))
+    bank = tmp_path / "bank.npy"
+    np = pytest.importorskip("numpy")
+    np.save(bank, np.zeros(64, dtype=np.float32))
+    monkeypatch.setenv("FEATBAKE_TEST_GAIN", "2")
+    monkeypatch.setenv("FEATBAKE_TEST_BANK", str(bank))
+    weights = tmp_path / "w.safetensors"
+    save_file(TinyConvEncoder(seed=7).state_dict(), str(weights))
+    monkeypatch.setattr("featbake.store.hash_cache.RACY_NS", 0)  # its fingerprint is cached
+    store = tmp_path / "c"
+    first = build(audio_dir, "gain_enc_mod:make", weights=weights, cache=store, workers=0)
+    if changed == "buffer":
+        monkeypatch.setenv("FEATBAKE_TEST_GAIN", "3")
+    else:
+        np.save(bank, np.full(64, 0.25, dtype=np.float32))
+    again = build(audio_dir, "gain_enc_mod:make", weights=weights, cache=store, workers=0)
+    assert first.encoded == again.encoded == again.files == 16
+    from featbake.serve.dataset import CachedFeatureDataset
+
+    ds = CachedFeatureDataset(
+        audio_dir, encoder="gain_enc_mod:make", weights=weights, cache=store, on_miss="error"
+    )
+    live = load_encoder("gain_enc_mod:make", weights=weights)
+    src = AudioSource(Recipe())
+    for i in range(len(ds)):
+        with torch.no_grad():
+            want = live.run(src.load(Path(ds.path(i))).unsqueeze(0))[0]
+        got = ds[i]  # stored as float16: its rounding
+        torch.testing.assert_close(got, want.to(got.dtype), atol=2e-3, rtol=2e-3)
+
+
 def test_import_path_errors(tmp_path: Path, enc_module: Path, encoder_file: Path) -> None:
     with pytest.raises(EncoderLoadError, match="PYTHONPATH"):
         load_encoder("no_such_module_xyz:build")
