@@ -211,14 +211,16 @@ def held_attribute_text(module: Any, value: Any, *, exact: bool) -> str | None:
     """An attribute value of ``module`` as a key reads it: by the one rule for a hook's held
     value (:class:`HeldReading`: a dict by its items, a function by its code, cells and
     defaults, a partial by its function and arguments, a bound method by its function and
-    object), ``module``'s own submodules and tensors by their type (its key reads them).
-    None where the reading meets what no key reads (another module, a tensor, an address):
-    left out of the key as before, not refused. A numpy array by its values
-    (:func:`global_tensor_digest`, as a hook's global array). ``exact``: as a key reads it
-    (an array or a global module's weights hashed anew); else as a watch reads it at each
-    forward: an array of up to :data:`WATCHED_ARRAY_BYTES` hashed anew too (it keeps no
-    version, so an edit in place shows only in its bytes), a larger one kept while its stamp
-    holds, as a hook's global array is (an edit in place is seen at the next exact check).
+    object), ``module``'s own submodules and tensors by their type (its key reads them), a
+    tensor held inside an object, namespace or dataclass by its values. None where the
+    reading meets what no key reads (another module, a tensor in a plain list or dict, which
+    the key reads as a buffer, an address): left out of the key as before, not refused. A
+    numpy array by its values (:func:`global_tensor_digest`, as a hook's global array).
+    ``exact``: as a key reads it (an array or a global module's weights hashed anew); else
+    as a watch reads it at each forward: an array of up to :data:`WATCHED_ARRAY_BYTES`
+    hashed anew too (it keeps no version, so an edit in place shows only in its bytes), a
+    larger one kept while its stamp holds, as a hook's global array is (an edit in place is
+    seen at the next exact check).
 
     Example:
         >>> import functools
@@ -233,7 +235,10 @@ def held_attribute_text(module: Any, value: Any, *, exact: bool) -> str | None:
             return None  # an array of objects: its bytes are addresses
         exact = exact or value.nbytes <= WATCHED_ARRAY_BYTES
         return f"held:ndarray({global_tensor_digest(value, exact=exact)})"
-    reading = HeldReading(_TreeIds(module), exact=exact)
+    # A tensor in a plain list, tuple or dict is keyed as a buffer is (tensor_attributes) and
+    # read by its version by a watch; one inside anything else by its values, here.
+    inside = type(value) not in (list, tuple, dict)
+    reading = HeldReading(_TreeIds(module), exact=exact, tensors=inside)
     text = reading.text(value)
     return None if reading.refused else f"held:{text}"
 
@@ -471,11 +476,17 @@ class HeldReading:
     as are values past :data:`HELD_VALUES` or :data:`HELD_DEPTH`. A value met again inside
     itself reads as ``<cycle>``. ``exact``: a global module's weights hashed anew
     (:func:`global_module_digest`), as a key and a check before misses read them; else
-    trusted while its stamp is unchanged, as a watch reads them at each forward."""
+    trusted while its stamp is unchanged, as a watch reads them at each forward.
+    ``tensors``: a tensor or array not in ``own`` read by its values (as a global one is)
+    instead of refused, for a module's own attribute: a ``SimpleNamespace``, dataclass or
+    object of its holding global CMVN statistics changes its outputs as a buffer does."""
 
-    def __init__(self, own: Container[int] = frozenset(), exact: bool = False) -> None:
+    def __init__(
+        self, own: Container[int] = frozenset(), exact: bool = False, tensors: bool = False
+    ) -> None:
         self.own = own
         self.exact = exact
+        self.tensors = tensors
         self.refused: list[str] = []
         self._path: set[int] = set()
         self._count = 0
@@ -511,6 +522,8 @@ class HeldReading:
         what = type(value).__name__
         if id(value) in self.own:
             return f"<{what}>"
+        if self.tensors and not isinstance(value, torch.nn.Module):
+            return self._global_tensor(value, name)
         if not self._in_global:
             return self._refuse(name, what)
         if isinstance(value, torch.nn.Module):

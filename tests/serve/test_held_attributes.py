@@ -91,6 +91,34 @@ class _HeldCallables(TinyConvEncoder):
         return self.act(super().forward(wav)) * self.pick("scale")
 
 
+class _Statistics:
+    """Global CMVN statistics a front-end keeps in an object of its own (not a buffer)."""
+
+    def __init__(self) -> None:
+        self.std = torch.tensor(2.0)
+
+
+@dataclass
+class _StatisticsRecord:
+    std: torch.Tensor
+
+
+class _HeldStatistics(TinyConvEncoder):
+    """A tensor held inside an object, a ``SimpleNamespace`` and a dataclass (``kind``)."""
+
+    def __init__(self, kind: str = "object") -> None:
+        super().__init__()
+        holders = {
+            "object": _Statistics,
+            "namespace": lambda: types.SimpleNamespace(std=torch.tensor(2.0)),
+            "dataclass": lambda: _StatisticsRecord(torch.tensor(2.0)),
+        }
+        self.cmvn = holders[kind]()
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return super().forward(wav) * self.cmvn.std
+
+
 CHANGES = {
     "dict-edited": (_DictSettings, lambda m: m.cfg.__setitem__("scale", 3.0)),
     "dict-replaced": (_DictSettings, lambda m: setattr(m, "cfg", {"scale": 3.0, "names": ["a"]})),
@@ -102,6 +130,17 @@ CHANGES = {
     "lambda-set": (_HeldCallables, lambda m: setattr(m, "act", lambda t: t * 3.0)),
     "partial-keywords-edited": (_HeldCallables, lambda m: m.act.keywords.__setitem__("other", 3.0)),
     "bound-get-dict-edited": (_HeldCallables, lambda m: m.pick.__self__.__setitem__("scale", 3.0)),
+    # r23: a tensor inside a held object was read as its type only, in no key and no watch.
+    "object-tensor-replaced": (_HeldStatistics, lambda m: setattr(m.cmvn, "std", m.cmvn.std * 2)),
+    "object-tensor-edited": (_HeldStatistics, lambda m: m.cmvn.std.fill_(0.25)),
+    "namespace-tensor-replaced": (
+        functools.partial(_HeldStatistics, "namespace"),
+        lambda m: setattr(m.cmvn, "std", torch.tensor(0.25)),
+    ),
+    "dataclass-tensor-edited": (
+        functools.partial(_HeldStatistics, "dataclass"),
+        lambda m: m.cmvn.std.mul_(3.0),
+    ),
 }
 
 
