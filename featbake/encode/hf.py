@@ -555,7 +555,9 @@ def _truncate(model: Any, layers: tuple[int, ...]) -> None:
     if not isinstance(stack, nn.ModuleList):
         return  # an unknown layout: run every layer, select after
     final_norm = bool(getattr(model.config, "do_stable_layer_norm", False))
-    keep = layers_to_run(layers, len(stack), final_norm=final_norm)
+    # At least one: transformers 5 records hidden states as its layers run, so an empty stack
+    # gives none back, not even ``hidden_states[0]`` (``--layers 0`` failed with IndexError).
+    keep = max(1, layers_to_run(layers, len(stack), final_norm=final_norm))
     encoder.layers = stack[:keep]
 
 
