@@ -620,6 +620,18 @@ class BatchRunner:
             f"{failed.padded_to})"
         )
 
+    def padding_known_inexact(self) -> None:
+        """An earlier run of this build found padded batches inexact for this encoder (its
+        padding record says so): exact shapes from the first batch, saying why. Padding again
+        would store rows known to be off until this run's end encoded them again alone (and a
+        reader of the store meanwhile, or a merge after a kill, would take them)."""
+        if self.mode is BatchingMode.PADDED:
+            self.inexact = True
+            self._switch_to_exact(
+                "exact-shape batching: an earlier run of this build found padded batches not "
+                "exact for this encoder (its padding record says so)"
+            )
+
     def _switch_to_exact(self, note: str) -> None:
         """Exact shapes from now on; items waiting for a padded batch move to the shape batcher."""
         self.mode = BatchingMode.EXACT

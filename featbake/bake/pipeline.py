@@ -363,7 +363,6 @@ class Redone:
 
 def encode_padded_again(
     items: Sequence[PaddedItem],
-    catalog: BuildCatalog,
     runner: BatchRunner,
     compactor: Compactor,
     writer: WriterThread,
@@ -374,11 +373,10 @@ def encode_padded_again(
     """Encode ``items`` alone and store them in place of their padded features.
 
     ``writer`` is a fresh writer, closed here (every shard of the first pass is sealed before:
-    the rows dropped are theirs). ``runner`` is in exact mode by now.
+    the rows dropped are theirs). ``runner`` is in exact mode by now. The caller forgot their
+    rows first (``_Bake.forget_stored``: a rank's fragment sealed then says it replaces them).
     """
-    keys = [it.key for it in items]
-    catalog.forget_keys(keys)  # a rank's fragments: its newest rows win at the merge
-    stored = 0
+    keys, stored = [it.key for it in items], 0
     try:
         paths, stats = [it.path for it in items], [it.stat for it in items]
         for i, item in decoded_items(paths, source, workers, stats):
@@ -960,6 +958,8 @@ class _Bake:
         if not work:
             self.clear_own_padding()
             return self.progress(Progress("encode", 0, 0)) if self.progress else None
+        if self.padding.inexact and self.elsewhere is None:
+            self.runner.padding_known_inexact()
         self.record_padding([k for k, _ in to_encode])
         try:
             self.encode(to_encode, plan, dict(work))
@@ -1234,7 +1234,7 @@ class _Bake:
         self.forget_stored([it.key for it in items])
         writer, opts = self.writer(), self.options
         redone = encode_padded_again(
-            items, self.catalog, self.runner, self.compactor, writer, self.source,
+            items, self.runner, self.compactor, writer, self.source,
             opts.threads().decode_workers, opts.allow_nonfinite,
         )  # fmt: skip
         self.report.bytes_written += writer.bytes_written

@@ -6,6 +6,7 @@ store itself; the guard's fall-back is driven by a real encoder that leaks paddi
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ from featbake.encode.encoders import (
 from featbake.encode.loaders import load_encoder
 from featbake.encode.outputs import encode_batch, encode_padded
 from featbake.encode.sources import source_for
-from featbake.errors import ConfigError, EncodeError
+from featbake.errors import CacheMiss, ConfigError, EncodeError
 from featbake.progress import Progress
 from featbake.quantize import Scheme, dequantize, quantize
 from featbake.recipe import Recipe
@@ -964,6 +965,32 @@ def test_a_build_stopped_after_its_padding_check_failed_has_its_rerun_encode_the
     interrupted_after_padded_batches(data, encoder, store, at=12)
     build(data, encoder, cache=store, workers=0, batch_size=3, batching="padded")
     assert_serves_alone(data, module, encoder, cache=store)
+
+
+def test_a_rerun_of_a_build_whose_padding_check_failed_never_pads(tmp_path: Path) -> None:
+    """A rerun whose record said a check had failed still padded its batches: it stored the
+    items again padded (off by 0.5, served to any reader of the store meanwhile) and only at
+    its end encoded them alone; stopped before then, they stayed. It runs exact shapes from
+    its first batch now, saying why, and never pads what it stores."""
+    data, module = clips(tmp_path / "clips"), LittlePaddingLeaks()
+    encoder, store = save_torchscript(module, tmp_path / "leaky.pt"), tmp_path / "store"
+    interrupted_after_padded_batches(data, encoder, store, at=12)  # the check failed
+    interrupted_after_padded_batches(data, encoder, store, at=6)  # the rerun, stopped
+    ds = CachedFeatureDataset(data, encoder, cache=store, on_miss="error")
+    stored = 0
+    for i in range(len(ds)):  # what it had not redone yet is a miss, never a padded row
+        with contextlib.suppress(CacheMiss):
+            got = ds[i]
+            stored += 1
+            want = alone_plain(module, Path(ds.path(i)))
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=ds.path(i))
+    assert stored >= 6  # what the rerun had encoded when stopped (the first run's all forgotten)
+    again = build(data, encoder, cache=store, workers=0, batch_size=3, batching="padded")
+    assert again.ok and again.batching == BatchingMode.EXACT
+    assert "an earlier run of this build found padded batches not exact" in again.batching_note
+    assert "encoded again alone" not in again.batching_note  # nothing padded to do again
+    assert_serves_alone(data, module, encoder, cache=store)
+    assert not list((store / "roots").glob("*.padding"))
 
 
 def test_a_part_finishing_keeps_the_padding_record_another_part_left(tmp_path: Path) -> None:
