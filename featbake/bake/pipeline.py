@@ -958,8 +958,8 @@ class _Bake:
         if not work:
             self.clear_own_padding()
             return self.progress(Progress("encode", 0, 0)) if self.progress else None
-        if self.padding.inexact and self.elsewhere is None:
-            self.runner.padding_known_inexact()
+        if self.padding.inexact:
+            self.exact_from_the_start()
         self.record_padding([k for k, _ in to_encode])
         try:
             self.encode(to_encode, plan, dict(work))
@@ -980,6 +980,14 @@ class _Bake:
             return present - suspects
         self.suspects = {k: todo[k] for k in sorted(suspects)}
         return present
+
+    def exact_from_the_start(self) -> None:
+        """Batch on exact shapes from the first batch: an earlier run of this build found
+        padding inexact for its encoder (its record says so). Here, or an engine's workers."""
+        if self.elsewhere is not None:
+            self.runs = self.runs._replace(batching=Batching.EXACT.value)
+        else:
+            self.runner.padding_known_inexact()
 
     def forget_stored(self, keys: list[str]) -> None:
         """Drop the rows of ``keys``, to be encoded again, wherever they would win over the

@@ -22,6 +22,7 @@ import pytest
 import soundfile as sf
 import torch
 
+from featbake.bake.batching import BatchingMode
 from featbake.bake.pipeline import build
 from featbake.encode import fingerprints
 from featbake.encode.fingerprints import ContainerAsk, DigestAsk
@@ -331,8 +332,15 @@ def test_a_ray_driver_stopped_after_a_workers_padding_check_failed_leaves_that_r
         build(data, encoder, cache=store, batch_size=3, batching="padded", progress=stop,
               engine=RayEngine(workers=1, rows_per_task=3))  # fmt: skip
     report = build(data, encoder, cache=store, workers=0, batch_size=3, batching="padded")
-    assert report.ok and "encoded again alone" in report.batching_note, report
+    assert report.ok and "earlier run of this build found padded" in report.batching_note, report
     assert_serves_alone(data, module, encoder, cache=store)
+    # The same on Ray: the record says a check failed, so its workers never pad.
+    interrupted_after_padded_batches(data, encoder, tmp_path / "second", at=12)
+    report = build(data, encoder, cache=tmp_path / "second", batch_size=3, batching="padded",
+                   engine=RayEngine(workers=1, rows_per_task=3))  # fmt: skip
+    assert report.ok and report.batching == BatchingMode.EXACT, report
+    assert "encoded again alone" not in report.batching_note, report
+    assert_serves_alone(data, module, encoder, cache=tmp_path / "second")
 
 
 def test_cli_ray_build_starts_its_own_ray_while_it_hashes(
