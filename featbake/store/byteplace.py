@@ -468,7 +468,11 @@ class LocalFiles(BytePlace):
         found.sort()
         # datasets reads train/ beside test/ as two splits, and those its README.md declares
         refuse_several_splits(where, found, folder_card(where, top))
-        notes = (unread_note(where, unread), nested_tars_note(where, tars, exts))
+        notes = (
+            unread_note(where, unread),
+            nested_tars_note(where, tars, exts),
+            metadata_note(where, top),
+        )
         return Found(found, skipped, {}, tuple(n for n in notes if n))
 
     def folder(self, where: str) -> str:
@@ -815,6 +819,37 @@ def nested_tars_note(where: str, tars: Sequence[str], exts: Sequence[str]) -> st
     )
 
 
+#: The metadata files ``datasets``' folder builders (``audiofolder``, ``imagefolder``) read
+#: beside a folder's files: their rows give the dataset's order and its columns.
+METADATA_NAMES = ("metadata.csv", "metadata.jsonl")
+
+
+def metadata_note(where: str, top: Iterable[str]) -> str:
+    """The scan's note on a folder (prefix) of input files that holds a ``datasets`` metadata
+    file at its top (``top``: its top-level names; "" for none): ``load_dataset("audiofolder")``
+    serves the folder in that file's row order, with its columns, where a folder build serves
+    its files in path order with none. Labels taken from ``datasets``' order and paired with
+    the store's (``StackDataset``) would be paired with other items, of the same count, with
+    no error; the note says how to build in the file's order.
+
+    Example:
+        >>> metadata_note("/d", ["a.wav", "metadata.csv"]).split(";")[0]
+        '/d/metadata.csv orders the rows of load_dataset("audiofolder"/"imagefolder")'
+        >>> metadata_note("/d", ["a.wav"])
+        ''
+    """
+    names = sorted(n for n in top if n.lower() in METADATA_NAMES)
+    if not names:
+        return ""
+    first = names[0]
+    return (
+        f'{where}/{first} orders the rows of load_dataset("audiofolder"/"imagefolder"); this '
+        "build serves the folder's files in path order (ds.path(i)), without its columns: to "
+        f"serve its rows in its order, with its columns as ds.row(i), pass --data "
+        f"{where}/{first} --column file_name"
+    )
+
+
 def not_an_input(name: str, file: os.DirEntry[str] | str | os.PathLike[str]) -> str | None:
     """Why ``file`` cannot be an input, or None when it can: the one check of every input.
 
@@ -1027,8 +1062,9 @@ class Objects(BytePlace):
             )
         names = sorted(listed)
         refuse_several_splits(prefix, names, bucket_card(bucket, key, rels))  # as a folder's
-        note = nested_tars_note(prefix, tars, exts)
-        return Found(names, skipped, listed, (note,) if note else ())
+        top = [n for n in rels if "/" not in n]
+        notes = (nested_tars_note(prefix, tars, exts), metadata_note(prefix, top))
+        return Found(names, skipped, listed, tuple(n for n in notes if n))
 
     def folder(self, where: str) -> str:
         return str(BucketURL.parse(where))

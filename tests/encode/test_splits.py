@@ -533,3 +533,32 @@ def test_files_in_dunder_folders_are_no_split_locally_or_under_a_prefix(
     for i in range(2):
         want = live_features(encoder_file, audio / ds.item_id(i))
         torch.testing.assert_close(ds[i], want, msg=ds.item_id(i))
+
+
+def test_a_folder_with_a_datasets_metadata_file_says_how_to_serve_in_its_order(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """``load_dataset("audiofolder")`` orders a folder's rows by its ``metadata.csv`` (and
+    takes its columns); a folder build serves the files in path order, so labels in
+    ``datasets``' order paired with the store's (``StackDataset``, same length) were paired
+    with other clips, and nothing said so. The build says so in a note with the command that
+    serves the file's order; that command serves its rows in its order, labels in
+    ``ds.row(i)``, each equal to the encoder run now."""
+    data = tmp_path / "audio"
+    clips = write_audio_folder(data, 3, seconds=0.3, seed=4)
+    order = [clips[2], clips[0], clips[1]]
+    rows = "".join(f"{p.name},{label}\n" for label, p in enumerate(order))
+    (data / "metadata.csv").write_text("file_name,label\n" + rows)
+    store = tmp_path / "store"
+    result = invoke("build", "--data", data, "--encoder", encoder_file, "--cache", store)
+    assert result.returncode == 0, result.stderr
+    said = f"pass --data {data.resolve()}/metadata.csv --column file_name"
+    assert said in result.stdout + result.stderr, result.stdout + result.stderr
+    manifest = data / "metadata.csv"
+    args = ("--data", manifest, "--column", "file_name", "--encoder", encoder_file)
+    assert invoke("build", *args, "--cache", store).returncode == 0
+    ds = CachedFeatureDataset(manifest, encoder_file, cache=store, column="file_name",
+                              on_miss="error")  # fmt: skip
+    assert [ds.row(i) for i in range(3)] == [{"label": str(n)} for n in range(3)]
+    for i, clip in enumerate(order):  # the file's order, not the folder's
+        torch.testing.assert_close(ds[i], live_features(encoder_file, clip))
