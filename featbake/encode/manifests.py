@@ -11,7 +11,10 @@ Three layouts name their items this way (``--data`` picks one, see
   ``offset`` and ``duration`` (NeMo's: an ``offset`` makes the row a segment, a ``duration`` alone
   is a label of the whole file); ``channel`` picks one channel, ``id`` names the item (default: the
   path as written, plus ``#start-end`` for a segment), and every other column is carried
-  (:meth:`RowInputs.row`).
+  (:meth:`RowInputs.row`). Seconds become samples by the rule of the tool whose fields time the
+  row (:func:`row_rule`), so a row decodes as that tool's loader reads it: ``start``/``end``
+  to the nearest sample, ``start`` + ``duration`` as lhotse counts them, ``offset`` +
+  ``duration`` as NeMo's ``AudioSegment.from_file`` truncates them.
 * :class:`KaldiInputs`: a Kaldi data folder. ``wav.scp`` maps recording ids to files (a relative
   path is taken from the working directory, as Kaldi's scripts take it); with a
   ``segments`` file each utterance is a segment (``utt rec start end [channel]``; ``end`` -1,
@@ -274,6 +277,46 @@ def end_of(fields: Mapping[str, Any]) -> Any:
     return seconds(start, "start") + seconds(duration, "duration")
 
 
+def has_value(fields: Mapping[str, Any], name: str) -> bool:
+    """Whether a row holds a value in column ``name`` (an empty CSV cell holds none)."""
+    return fields.get(name) not in (None, "")
+
+
+def row_rule(fields: Mapping[str, Any]) -> SampleRule:
+    """How a row's seconds become samples: the rule of the tool whose fields time it, so what
+    is decoded is what that tool's loader reads. An ``end`` is featbake's own (nearest
+    sample); ``start`` and ``duration`` are lhotse's (each counted half up, as its
+    ``compute_num_samples``); ``offset`` without a ``start`` is NeMo's (the offset and the
+    duration each truncated, as its ``AudioSegment.from_file`` seeks and reads).
+
+    Example:
+        >>> rows = [{"start": 1, "end": 2}, {"start": 1, "duration": 1}, {"offset": 1},
+        ...         {"offset": 1, "duration": 1}, {"start": 1}, {"duration": 3}]
+        >>> [row_rule(r).value for r in rows]
+        ['nearest', 'lhotse', 'nemo', 'nemo', 'nearest', 'nearest']
+    """
+    if has_value(fields, "end"):
+        return SampleRule.NEAREST
+    if has_value(fields, "start"):
+        return SampleRule.LHOTSE if has_value(fields, "duration") else SampleRule.NEAREST
+    return SampleRule.NEMO if has_value(fields, "offset") else SampleRule.NEAREST
+
+
+def row_span(fields: Mapping[str, Any]) -> Span | None:
+    """The segment a manifest row names (None: the whole file), counted into samples by
+    :func:`row_rule` from its ``duration`` as written where that rule times it so (a NeMo or
+    lhotse row: ``offset + duration`` summed in floats is not what either tool reads).
+
+    Raises:
+        BadRow: a bad start, end, duration or channel, or ``start >= end``.
+    """
+    rule = row_rule(fields)
+    timed = rule is not SampleRule.NEAREST and has_value(fields, "duration")
+    duration = seconds(fields["duration"], "duration") if timed else None
+    channel = channel_of(fields.get("channel"))
+    return span_of(start_of(fields), end_of(fields), channel, rule, duration)
+
+
 def manifest_item(
     fields: Mapping[str, Any], column: str, base: str, where: str
 ) -> tuple[str, Item]:
@@ -286,7 +329,7 @@ def manifest_item(
         given = ", ".join(str(k) for k in fields) or "none"
         raise BadRow(f"no {column!r} column (columns: {given}); name the input with --column")
     file = input_file(fields[column], base, column)
-    span = span_of(start_of(fields), end_of(fields), channel_of(fields.get("channel")))
+    span = row_span(fields)
     ident = fields.get("id")
     ident = segment_id(fields[column], span) if ident in (None, "") else str(ident)
     carried = {k: v for k, v in fields.items() if k != column and k not in OWN_COLUMNS}

@@ -107,6 +107,10 @@ class SampleRule(Enum):
     #: 8 decimals (``cut.load_audio()`` seeks and reads so; a 22.05 kHz cut at 1.25 s starts on
     #: sample 27,563, where Python's ``round`` gives 27,562).
     LHOTSE = "lhotse"
+    #: NeMo's ``AudioSegment.from_file``: ``seek(int(offset * rate))`` then
+    #: ``read(int(duration * rate))``, the offset and the duration each truncated (a row at
+    #: offset 1.23456 s, 16 kHz, starts on sample 19,752, where ``round`` gives 19,753).
+    NEMO = "nemo"
 
 
 def lhotse_samples(seconds: float, rate: int) -> int:
@@ -120,6 +124,22 @@ def lhotse_samples(seconds: float, rate: int) -> int:
         4800
     """
     return int(Decimal(round(seconds * rate, 8)).quantize(0, rounding=ROUND_HALF_UP))
+
+
+def nemo_bounds(offset: float, duration: float | None, rate: int) -> tuple[int, int | None]:
+    """A NeMo manifest row's first and past-the-last sample at ``rate`` (None: to the
+    recording's end), as NeMo's ``AudioSegment.from_file`` reads them: it seeks to
+    ``int(offset * rate)`` and reads ``int(duration * rate)`` samples, each truncated on its
+    own (so the end is not ``int((offset + duration) * rate)``).
+
+    Example:
+        >>> nemo_bounds(1.23456, 3.45678, 16000), round(1.23456 * 16000)
+        ((19752, 75060), 19753)
+        >>> nemo_bounds(2.5, None, 16000)
+        (40000, None)
+    """
+    first = int(offset * rate)
+    return first, None if duration is None else first + int(duration * rate)
 
 
 def lhotse_bounds(start: float, duration: float | None, rate: int) -> tuple[int, int | None]:
@@ -140,8 +160,8 @@ class Span(NamedTuple):
     """``[start, end)`` seconds of a recording, and the one channel to take (None: all of them,
     mixed or kept as the recipe says): an item that is a segment of a file. ``end`` infinite
     runs to the recording's end (Kaldi's ``end = -1``, a row with a start and no end).
-    ``rule``: how the seconds become samples (a lhotse cut's are lhotse's, counted from its
-    ``duration`` as written where it has one)."""
+    ``rule``: how the seconds become samples (a lhotse cut's are lhotse's and a NeMo row's
+    NeMo's, each counted from its ``duration`` as written where it has one)."""
 
     start: float
     end: float
@@ -167,12 +187,15 @@ class Span(NamedTuple):
             >>> cut = Span(1.25, 1.6, None, SampleRule.LHOTSE)  # a 0.35 s lhotse cut
             >>> Span(1.25, 1.6).frames(22050, 96000), cut.frames(22050, 96000)
             ((27562, 35280), (27563, 35281))
+            >>> Span(1.23456, 3.33456, None, SampleRule.NEMO, 2.1).frames(16000, 96000)
+            (19752, 53352)
         """
-        if self.rule is SampleRule.LHOTSE:
-            length = None if self.to_end else self.duration or self.end - self.start
-            first, last = lhotse_bounds(self.start, length, rate)
-            return first, total if last is None else last
-        return round(self.start * rate), total if self.to_end else round(self.end * rate)
+        if self.rule is SampleRule.NEAREST:
+            return round(self.start * rate), total if self.to_end else round(self.end * rate)
+        length = None if self.to_end else self.duration or self.end - self.start
+        counted = lhotse_bounds if self.rule is SampleRule.LHOTSE else nemo_bounds
+        first, last = counted(self.start, length, rate)
+        return first, total if last is None else last
 
 
 def span_problem(span: Span, frames: int, rate: int, channels: int) -> str | None:

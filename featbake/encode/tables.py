@@ -15,6 +15,15 @@ stat (size, mtime, inode, ctime), as a file's is: a rebuild over unchanged files
 bytes to the recipe's source. The file's stat must still be the one the digest was taken with,
 or the item fails as a file changed mid-build does.
 
+**A datasets Audio column's declared decoding** (``cast_column("audio",
+Audio(sampling_rate=8000))``, ``num_channels``), read from ``dataset_info.json`` or the files'
+``huggingface`` metadata, is what the user's ``datasets`` loader gives for each row: an audio
+recipe of another rate or channel layout is said in a note (the build's ``note:`` line, a
+dataset's warning at its first live encoding) naming the ``--sample-rate`` (or ``--mono``)
+that matches (:class:`DeclaredAudio`). Not refused: a Hub dataset declares its files' own
+rate (Common Voice: 48 kHz) where a training loop casts it to the encoder's, as this build
+resamples it.
+
 **Bad rows**: a null cell, a cell without bytes, a table file whose column holds neither bytes
 nor an Audio/Image struct; each is one line naming the file and row, skipped, and the build
 exits 3.
@@ -31,6 +40,7 @@ import base64
 import io
 import json
 import os
+import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple, cast
@@ -46,6 +56,7 @@ from featbake.encode.fingerprints import (
 from featbake.encode.sources import ScanResult, SkippedInput, Source
 from featbake.errors import SourceError, first_line
 from featbake.progress import Progress
+from featbake.recipe import Recipe
 from featbake.store.byteplace import bytes_at, object_head
 from featbake.store.containers import (
     ARROW_READ_ERRORS,
@@ -79,17 +90,85 @@ TABLE_PREFIX = "table-rows:"
 # is an item; ``--column`` names the cell to encode: an Audio or Image column (a struct of
 # ``bytes`` and ``path``, as the Hub stores them) or a binary column. An item's id is its ``id``
 # column when the table has one, else ``<file>:<row>``; its other columns are carried.
-def hf_feature_types(schema: pa.Schema) -> dict[str, str]:
-    """column -> the ``datasets`` feature type (``Audio``, ``Image``, ``Value``) recorded in the
-    schema's ``huggingface`` metadata (written by ``datasets`` and the Hub), where there is one."""
+def hf_features(schema: pa.Schema) -> dict[str, Any]:
+    """column -> its ``datasets`` feature (``{"_type": "Audio", "sampling_rate": 8000}``) as
+    the schema's ``huggingface`` metadata records it (written by ``datasets`` and the Hub in
+    parquet and Arrow files); empty where there is none."""
     meta = (schema.metadata or {}).get(b"huggingface")
     try:
         features = json.loads(meta)["info"]["features"] if meta else {}
     except (ValueError, KeyError, TypeError):
         return {}
-    if not isinstance(features, dict):
-        return {}
+    return features if isinstance(features, dict) else {}
+
+
+def hf_feature_types(schema: pa.Schema) -> dict[str, str]:
+    """column -> the ``datasets`` feature type (``Audio``, ``Image``, ``Value``) recorded in the
+    schema's ``huggingface`` metadata (written by ``datasets`` and the Hub), where there is one."""
+    features = hf_features(schema)
     return {k: v.get("_type", "") for k, v in features.items() if isinstance(v, dict)}
+
+
+def saved_features(folder: str) -> dict[str, Any] | None:
+    """column -> its feature as a local ``save_to_disk`` folder's ``dataset_info.json`` records
+    it (what ``load_from_disk`` decodes by, over the Arrow files' own metadata), or None where
+    the folder has none (a parquet folder, a bucket) or it cannot be read."""
+    try:
+        with open(os.path.join(folder, "dataset_info.json"), encoding="utf-8") as f:
+            features = json.load(f).get("features")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return features if isinstance(features, dict) else None
+
+
+@dataclass(frozen=True)
+class DeclaredAudio:
+    """What a ``datasets`` Audio column says its rows decode to: ``cast_column("audio",
+    Audio(sampling_rate=8000))`` makes ``datasets`` resample every row to 8 kHz, so a build at
+    another rate would encode samples the user's loader never gives. ``rate`` None: the file's
+    own; ``mono`` True: mixed to one channel (``num_channels=1``, or an older ``datasets``'s
+    ``mono: true``), False: channels kept (``num_channels`` 2 or more, ``mono: false``), None:
+    not declared (``datasets`` 4's default: the file's channels)."""
+
+    column: str
+    rate: int | None
+    mono: bool | None
+
+    @classmethod
+    def of(cls, features: Mapping[str, Any], column: str) -> DeclaredAudio | None:
+        """The declaration of ``column`` among ``features``; None where it is no Audio column
+        or declares neither a rate nor channels."""
+        feature = features.get(column)
+        if not isinstance(feature, Mapping) or feature.get("_type") != "Audio":
+            return None
+        rate = feature.get("sampling_rate")
+        rate = rate if isinstance(rate, int) and not isinstance(rate, bool) and rate > 0 else None
+        channels, mono = feature.get("num_channels"), feature.get("mono")
+        if isinstance(channels, int) and not isinstance(channels, bool) and channels > 0:
+            mono = channels == 1
+        mono = mono if isinstance(mono, bool) else None
+        return None if rate is None and mono is None else cls(column, rate, mono)
+
+    def mismatch(self, recipe: Recipe, where: str) -> str | None:
+        """Why ``recipe`` would not encode what ``datasets`` gives for this column's rows, in one
+        line saying what to pass instead; None where it would."""
+        named = f"column {self.column!r} of {where} is a datasets Audio column"
+        if self.rate is not None and self.rate != recipe.sample_rate:
+            return (
+                f"{named} of {self.rate} Hz (datasets decodes each row at {self.rate} Hz), "
+                f"and this build resamples it to {recipe.sample_rate} Hz: where your loader "
+                f"feeds the encoder the rows as datasets decodes them, pass --sample-rate "
+                f"{self.rate}; where it casts them to {recipe.sample_rate} Hz, this is that"
+            )
+        if self.mono is not None and self.mono != recipe.mono:
+            said = "mixed to one channel" if self.mono else "with its channels kept"
+            ours = "mixes them to one" if recipe.mono else "keeps them (--no-mono)"
+            fix = "drop --no-mono" if self.mono else "pass --no-mono"
+            return (
+                f"{named} decoded {said}, and this build {ours}: where your loader feeds the "
+                f"encoder the rows as datasets decodes them, {fix}"
+            )
+        return None
 
 
 def is_table(where: str) -> bool:
@@ -147,6 +226,11 @@ class Table:
         #: the version each id's row is of, which hashing and decoding check (carried into
         #: decode workers, which open the file afresh: see :meth:`replaced`)
         self.scanned: dict[str, FileStat | None] = {}
+        #: what the column's ``datasets`` feature declares its rows decode to (set by the scan)
+        self.declared: DeclaredAudio | None = None
+        #: the recipe the source decodes by (set by :meth:`source`): checked against
+        #: :attr:`declared` by whichever of the scan and :meth:`source` comes second
+        self.recipe: Recipe | None = None
 
     @property
     def stat_tells_change(self) -> bool:
@@ -174,6 +258,10 @@ class Table:
         ]
         if all(k is CellKind.OTHER for k in self.kinds):
             raise SourceError(self.no_column(schemas))
+        self.declared = None if self.text else self.declared_audio(schemas[0])
+        note = self.declared_note()
+        if note is not None and note not in self.notes:
+            self.notes.append(note)  # a build: its source was made before its scan
         skipped: list[SkippedInput] = []
         seen: dict[str, str] = {}
         self.items = {}  # a scan starts afresh
@@ -432,7 +520,31 @@ class Table:
         return self.positions
 
     def source(self, inner: Source) -> Source:
+        """The cells decoded by ``inner``; an audio recipe that would not decode what
+        ``datasets`` gives for the column is warned of where the scan came first (a dataset's
+        live encoding; a build notes it at its scan: :meth:`declared_note`)."""
+        recipe = getattr(inner, "recipe", None)
+        self.recipe = recipe if isinstance(recipe, Recipe) else None
+        note = self.declared_note()
+        if note is not None:
+            warnings.warn(note, stacklevel=2)
         return CellSource(inner, self)
+
+    def declared_audio(self, schema: pa.Schema) -> DeclaredAudio | None:
+        """What the scanned column's ``datasets`` feature declares: a local ``save_to_disk``
+        folder's ``dataset_info.json`` (what ``load_from_disk`` reads), else the first file's
+        ``huggingface`` metadata (the Hub's parquet files, and Arrow files)."""
+        saved = None if self.remote else saved_features(self.folder)
+        return DeclaredAudio.of(hf_features(schema) if saved is None else saved, str(self.column))
+
+    def declared_note(self) -> str | None:
+        """One line saying the audio recipe's rate or channels are not what the column's
+        ``datasets`` feature decodes its rows to, and the option that matches the column; None
+        where they are, or until the scan and the source are both known."""
+        recipe, declared = self.recipe, self.declared
+        if recipe is None or declared is None or recipe.source != "audio":
+            return None
+        return declared.mismatch(recipe, self.where)
 
     def file_index(self, file: str) -> int:
         """The index of the data file ``file`` among the table's (after its scan).

@@ -142,6 +142,25 @@ class LeftOut(NamedTuple):
     other: str
 
 
+def columns_held(sample: Sample, extensions: Sequence[str]) -> list[str]:
+    """The ``--column`` values naming ``sample``'s members of the source's kind (``clean.wav``
+    and ``noisy.wav`` for audio), in the sample's order: what a message offers where the member
+    asked for is not there.
+
+    Example:
+        >>> s = Sample("k", "a.tar", {"clean.wav": None, "noisy.wav": None, "txt": None})
+        >>> columns_held(s, [".wav", ".flac"])
+        ['clean.wav', 'noisy.wav']
+    """
+    exts = {e.lower() for e in extensions}
+    return [e for e in sample.members if f".{e.rsplit('.', 1)[-1]}".lower() in exts]
+
+
+def offered_example(offered: Sequence[str]) -> str:
+    """`` (e.g. --column clean.wav)`` for the first column offered; empty where none is."""
+    return f" (e.g. --column {offered[0]})" if offered else ""
+
+
 def same_kind_left_out(sample: Sample, chosen: Member) -> list[LeftOut]:
     """The members of ``sample`` of the chosen member's kind (its last extension) that the
     build leaves out. ``spk1.utt1.wav`` and ``spk1.utt2.wav`` (a folder of files tarred as it
@@ -311,6 +330,9 @@ class WebDataset:
         self.index = MemberIndex()  # full name -> member, for hashing and decoding
         #: members the scan left out beside one of their kind that is encoded (its one note)
         self.left_out: list[LeftOut] = []
+        #: the ``--column`` values the first sample without the member to encode holds (what
+        #: the scan's messages offer instead; set by the scan)
+        self.offered: list[str] = []
 
     @property
     def stat_tells_change(self) -> bool:
@@ -328,7 +350,7 @@ class WebDataset:
         self.index.at.clear()
         skipped: list[SkippedInput] = []
         seen: dict[str, str] = {}
-        self.left_out = []
+        self.left_out, self.offered = [], []
         objects = self._list_objects()
         if self.prefix:  # the one rule of a local folder's shards, on the names under the prefix
             names = shard_names(self.where, (url[len(self.folder) + 1 :] for url in objects))
@@ -353,7 +375,8 @@ class WebDataset:
             raise SourceError(
                 f"no sample with a member to encode ({wanted}) in {self.where}"
                 + (f" ({shown})" if shown else "")
-                + "; name the member with --column (e.g. --column jpg) or pick --source"
+                + f"; name a member the samples hold with --column{offered_example(self.offered)} "
+                "or pick --source"
             )
         note = left_out_note(self.left_out, self.picked() if self.left_out else ())
         return ScanResult(list(self.chosen), skipped, self.walk_notes + ((note,) if note else ()))
@@ -405,8 +428,12 @@ class WebDataset:
         first = next(iter(sample.members.values()))
         if member is None:
             has = ", ".join(f".{e}" for e in sample.members)
-            wanted = f"a .{self.column} member" if self.column else "a member of the source's kind"
-            skipped.append(SkippedInput(sample.key, f"{sample.tar}: no {wanted} (it has {has})"))
+            wanted = f"member .{self.column}" if self.column else "member of the source's kind"
+            held = columns_held(sample, extensions)
+            self.offered = self.offered or held
+            offer = f"; {' or '.join(f'--column {e}' for e in held[:3])} names one" if held else ""
+            why = f"{sample.tar}: no {wanted} (it has {has}{offer})"
+            skipped.append(SkippedInput(sample.key, why))
             return
         if sample.key in seen:
             raise SourceError(
