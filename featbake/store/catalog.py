@@ -29,7 +29,7 @@ import os
 import sqlite3
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -824,8 +824,43 @@ class ShardSize(NamedTuple):
         return cls(len(shard.entries), sum(e.nbytes for e in shard.entries))
 
 
-#: Adds a shard's feature rows inside ``add_shard``'s transaction (given the shard's row id).
-RowCopy = Callable[[Transaction, int], object]
+#: Adds a shard's feature rows inside ``add_shard``'s transaction (given the shard's row id),
+#: less those of keys replaced at or after the given time (:meth:`VoidRows.age_of`).
+RowCopy = Callable[[Transaction, int, float], object]
+
+#: The age of a shard no replaced key's row is void in (no key is replaced).
+NOTHING_VOID = float("inf")
+
+
+@dataclass(frozen=True)
+class VoidRows:
+    """The rows no fold may add: a key's rows are void in a shard recorded at or before the
+    newest replacement of the key (``at``: key -> when the fragment saying so was sealed)
+    and not named again after it (``named``: shard name -> when a fragment last named it), as
+    :class:`featbake.store.merge.Replacements` says. Both ages come down to one per shard
+    (:meth:`age_of`): a row of key k in shard s is void when ``at[k] >= age_of(s)``.
+
+    A merge's folds skip them (:meth:`FeatureRows.add_fragment_shards`, :meth:`~FeatureRows.
+    add_shard`) rather than a drop after each fold: a merge killed between a fold's commit
+    and that drop left the catalog serving a row its build had replaced until the next merge.
+    Now no commit adds one. gc's compaction ages the shards it writes by :meth:`age_of` too.
+    """
+
+    at: Mapping[str, float] = field(default_factory=dict)
+    named: Mapping[str, float] = field(default_factory=dict)
+
+    def age_of(self, name: str, created: float) -> float:
+        """The age of shard ``name``, last recorded at ``created``: when it was last recorded
+        or named. A key's row in it is void where the key was replaced at or after then."""
+        return max(created, self.named.get(name, created))
+
+    def voids(self, key: str, age: float) -> bool:
+        """Whether ``key``'s row in a shard of age ``age`` (:meth:`age_of`) is void."""
+        return key in self.at and self.at[key] >= age
+
+
+#: No key replaced: every row a fold finds is added.
+NO_VOID = VoidRows()
 
 
 def chunks(seq: Sequence[str], n: int = CHUNK) -> Iterator[Sequence[str]]:
@@ -837,11 +872,19 @@ def insert_shard(c: Transaction, shard: SealedShard, now: float, size: ShardSize
     """Record a sealed shard (once: its name is its content) and return its row id.
 
     ``size`` is its tensors' count and bytes (:meth:`ShardSize.of` a shard with its entries).
+    A shard recorded again (the same bytes sealed again: a writer stored the same features
+    again) is as new as its latest recording: ``created`` only moves forward. Its age says
+    whether a replacement of a key voids its row (:class:`VoidRows`), and rows sealed again
+    after a replacement are not void. Before, the first recording's time stood: a one-process
+    rebuild storing a replaced key again, with the same bytes, had its one good row dropped as
+    void by the next merge. (``created`` is read for that alone: gc's grace and ``--older-than``
+    go by files' mtimes and roots' last use.)
     """
     c.execute(
-        "INSERT OR IGNORE INTO shards"
+        "INSERT INTO shards"
         "(name, bytes, items, encoder_fp, recipe_fp, created, data_bytes)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+        " VALUES (?, ?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT(name) DO UPDATE SET created = MAX(created, excluded.created)",
         (
             shard.name,
             shard.nbytes,
@@ -924,17 +967,41 @@ class FragmentRowsAdded:
 
 def _copy_from(schema: str, fragment_shard_id: int) -> RowCopy:
     """Copy one shard's feature rows from an attached fragment, in key order (the order of the
-    catalog's key index: inserts touch each B-tree page once)."""
+    catalog's key index: inserts touch each B-tree page once), less the void ones: those of
+    keys in ``temp.void_keys`` (:meth:`FeatureRows.hold_void`) replaced at or after ``age``,
+    the shard's. The plain copy where nothing is void: a merge with no replacement pays
+    nothing."""
 
-    def copy(c: Transaction, shard_id: int) -> None:
+    def copy(c: Transaction, shard_id: int, age: float) -> None:
+        select = f"SELECT key, part, ?, dtype, shape, nbytes, last_used FROM {schema}.features f"
+        params: tuple[float, ...]
+        if age == NOTHING_VOID:
+            where, params = "", (shard_id, fragment_shard_id)
+        else:
+            where = " AND NOT EXISTS (SELECT 1 FROM temp.void_keys v WHERE v.key = f.key"
+            where += " AND v.at >= ?)"
+            params = (shard_id, fragment_shard_id, age)
         c.execute(
-            f"INSERT OR IGNORE INTO main.features({FEATURE_COLUMNS})"
-            f" SELECT key, part, ?, dtype, shape, nbytes, last_used FROM {schema}.features"
-            " WHERE shard_id = ? ORDER BY key, part",
-            (shard_id, fragment_shard_id),
+            f"INSERT OR IGNORE INTO main.features({FEATURE_COLUMNS}) {select}"
+            f" WHERE shard_id = ?{where} ORDER BY key, part",
+            params,
         )
 
     return copy
+
+
+def _created(c: Transaction, shard_id: int) -> float:
+    """When shard ``shard_id`` was recorded (last, :func:`insert_shard`)."""
+    return float(c.execute("SELECT created FROM shards WHERE id=?", (shard_id,)).fetchone()[0])
+
+
+def _without_void(shard: SealedShard, void: VoidRows, age: float) -> SealedShard:
+    """``shard`` less the entries that are void in it (:meth:`VoidRows.voids`): a row naming
+    a lost file is never pointed at one of them."""
+    if age == NOTHING_VOID:
+        return shard
+    kept = tuple(e for e in shard.entries if not void.voids(e.key, age))
+    return dataclasses.replace(shard, entries=kept)
 
 
 def _entries_from(
@@ -960,6 +1027,9 @@ class FeatureRows(CatalogConnection):
     """Feature rows, the hash cache and encoders: where a key's tensors are, which keys are
     stored, what the hash cache knows; and what builds and write-back add (shards with their
     feature rows, hashes, encoders, last use)."""
+
+    #: This thread's (connection, VoidRows) whose keys ``temp.void_keys`` holds (hold_void).
+    _void_held: PerThread[list[tuple[sqlite3.Connection, VoidRows]]] = PerThread(lambda _: [])
 
     def others_commits(self) -> int | None:
         """A count that changes when another connection commits to the catalog (SQLite's
@@ -1039,31 +1109,43 @@ class FeatureRows(CatalogConnection):
 
     # -- writes --------------------------------------------------------------------------------
 
-    def add_shard(self, shard: SealedShard, now: float | None = None) -> int:
+    def add_shard(
+        self, shard: SealedShard, now: float | None = None, *, void: VoidRows = NO_VOID
+    ) -> int:
         """Record a sealed shard and its features in one transaction; returns new feature rows.
 
         Features already present keep their existing row (first wins), so two writers that
         encoded the same input leave one row and one unreferenced copy for gc. A row whose
         shard file is gone (deleted by hand, lost in a partial copy) is no feature: it is
         pointed at this shard instead, and the lost shard's row goes once nothing names it.
+        The rows ``void`` says are void are left out (a merge's fold, :class:`VoidRows`).
         """
         now = time.time() if now is None else now
         values = [
             (e.key, e.part, e.dtype, json.dumps(list(e.shape)), e.nbytes) for e in shard.entries
         ]
 
-        def insert(c: Transaction, shard_id: int) -> None:
+        def insert(c: Transaction, shard_id: int, age: float) -> None:
             c.executemany(
-                INSERT_FEATURES, [(k, p, shard_id, d, s, n, now) for k, p, d, s, n in values]
+                INSERT_FEATURES,
+                [
+                    (k, p, shard_id, d, s, n, now)
+                    for k, p, d, s, n in values
+                    if not void.voids(k, age)
+                ],
             )
 
-        return self._add_shard(shard, now, insert, lambda: shard, ShardSize.of(shard))
+        return self._add_shard(shard, now, insert, lambda: shard, ShardSize.of(shard), void)
 
-    def add_fragment_shards(self, fragment: Path, schema: str = "fragment") -> FragmentRowsAdded:
+    def add_fragment_shards(
+        self, fragment: Path, schema: str = "fragment", *, void: VoidRows = NO_VOID
+    ) -> FragmentRowsAdded:
         """Add every shard of a sealed fragment (a catalog file, store/fragments.py), as
         :meth:`add_shard` does, its rows copied SQL-side through ``ATTACH`` (none passes
-        through Python) with the fragment's own timestamps. A shard whose file is gone is
-        listed, not added (its features are encoded again when next needed)."""
+        through Python) with the fragment's own timestamps, less those ``void`` says are void.
+        A shard whose file is gone is listed, not added (its features are encoded again when
+        next needed)."""
+        self.hold_void(void)
         conn = self.conn
         # Read-only (a sealed file, as fragments are read): one another merge folded and
         # removed meanwhile fails to attach (sqlite3.Error), where a plain path made an empty
@@ -1084,7 +1166,7 @@ class FeatureRows(CatalogConnection):
                 entries = _entries_from(conn, schema, shard, row.id)
                 size = ShardSize(row.items, row.data_bytes)
                 try:
-                    out.features += self._add_shard(shard, row.created, copy, entries, size)
+                    out.features += self._add_shard(shard, row.created, copy, entries, size, void)
                     out.shards += 1
                 except ShardMissing:
                     out.missing.append(row.name)
@@ -1099,6 +1181,7 @@ class FeatureRows(CatalogConnection):
         copy: RowCopy,
         with_entries: Callable[[], SealedShard],
         size: ShardSize,
+        void: VoidRows = NO_VOID,
     ) -> int:
         with self.transaction() as c:
             # Checked under the write lock, as gc unlinks under it (unlink_shard_file): a file
@@ -1110,12 +1193,30 @@ class FeatureRows(CatalogConnection):
                     "identical shard); it is written again"
                 )
             shard_id = insert_shard(c, shard, now, size)
+            age = void.age_of(shard.name, _created(c, shard_id)) if void.at else NOTHING_VOID
             before = c.total_changes
-            copy(c, shard_id)
+            copy(c, shard_id, age)
             added = c.total_changes - before
             if added < size.items:  # some rows exist: those naming a lost file move
-                added += repoint_lost_rows(c, self.layout, with_entries(), shard_id)
+                kept = _without_void(with_entries(), void, age)
+                added += repoint_lost_rows(c, self.layout, kept, shard_id)
             return added
+
+    def hold_void(self, void: VoidRows) -> None:
+        """Put ``void``'s keys in this connection's ``temp.void_keys``, which a fold's copy
+        reads (:func:`_copy_from`): once per connection and ``void`` (a merge folds thousands
+        of fragments against one), nothing where no key is replaced."""
+        held = self._void_held
+        if not void.at or (held and held[0][0] is self.conn and held[0][1] is void):
+            return
+        with self.transaction() as c:
+            c.execute(
+                "CREATE TEMP TABLE IF NOT EXISTS void_keys (key TEXT PRIMARY KEY, at REAL NOT NULL)"
+                " WITHOUT ROWID"
+            )
+            c.execute("DELETE FROM temp.void_keys")
+            c.executemany("INSERT INTO temp.void_keys VALUES (?, ?)", void.at.items())
+        held[:] = [(self.conn, void)]
 
     def put_hashes(
         self, rows: Iterable[HashRow | tuple], *, recorded_ns: int | None = None
@@ -1556,7 +1657,7 @@ class UpkeepRows(CatalogConnection):
         return done
 
     def forget_rows_sealed_by(self, keys: Sequence[str], when: float, kept: Iterable[str]) -> int:
-        """Delete the rows of ``keys`` whose shards were first recorded at or before ``when``,
+        """Delete the rows of ``keys`` whose shards were (last) recorded at or before ``when``,
         except in the shards named ``kept``: rows a build stored before it replaced those keys
         (store/merge.py); how many."""
         if not keys:
@@ -1615,26 +1716,18 @@ class UpkeepRows(CatalogConnection):
         return gone
 
     def commit_moved(
-        self, shard: SealedShard, moved: Sequence[tuple[str, str, int]], now: float | None = None
+        self, shard: SealedShard, moved: Sequence[tuple[str, str, int]], created: float
     ) -> int:
         """Record a shard written by compaction and point the moved rows at it, atomically.
 
         ``moved`` holds :class:`MovedRow` (key, part, old shard id); a row that changed
         meanwhile is left as is. Returns how many rows now point at the new shard. The shard is
-        recorded as old as the oldest shard its rows come from: a row's shard's age says
-        whether a later replacement of its key voids it (store/merge.py ``Replacements``), and
-        a move must not make a void row look newer.
+        recorded at ``created``: the age its rows keep (gc gives the oldest age of the shards
+        they come from, see ``featbake.upkeep.gc.Compaction``): a row's shard's age says
+        whether a replacement of its key voids it (:class:`VoidRows`).
         """
-        now = time.time() if now is None else now
-        olds = sorted({m.old_shard_id for m in map(MovedRow._make, moved)})
         with self.transaction() as c:
-            for i in range(0, len(olds), 500):
-                chunk = olds[i : i + 500]
-                q = ",".join("?" * len(chunk))
-                oldest = c.execute(f"SELECT MIN(created) FROM shards WHERE id IN ({q})", chunk)
-                first = oldest.fetchone()[0]
-                now = now if first is None else min(now, float(first))
-            sid = insert_shard(c, shard, now, ShardSize.of(shard))
+            sid = insert_shard(c, shard, created, ShardSize.of(shard))
             before = c.total_changes
             c.executemany(
                 "UPDATE features SET shard_id=? WHERE key=? AND part=? AND shard_id=?",

@@ -7,7 +7,8 @@ in this order:
 
 1. the encoder row, then the whole root manifest (every rank's slice, by index) in one
    transaction, so gc never sees the build's features unreached;
-2. each shard's rows (one short transaction per shard; first row wins, as in a build);
+2. each shard's rows (one short transaction per shard; first row wins, as in a build), less
+   those void (:class:`Replacements`: keys a build stored again);
 3. the hash-cache rows;
 4. only then the fragment files are unlinked.
 
@@ -32,6 +33,7 @@ pending). Only this one process writes the catalog, which is what a shared files
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sqlite3
 from collections import defaultdict
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from featbake.errors import ShardMissing, StoreCorrupt
-from featbake.store.catalog import Catalog
+from featbake.store.catalog import Catalog, VoidRows
 from featbake.store.fidelity import Measured, write_fidelity
 from featbake.store.files import fsync_dir
 from featbake.store.fragments import (
@@ -236,8 +238,7 @@ def _merged(
         report.void_rows = void.drop_void(catalog)
         # Oldest build first, so a newer build of the same root publishes its manifest last.
         for bid in sorted(frags, key=lambda b: max(f.created for f in frags[b])):
-            _fold_build(catalog, frags[bid], report, between)
-            void.drop_void(catalog)
+            _fold_build(catalog, frags[bid], report, between, void.rows)
             for f in frags[bid]:
                 with contextlib.suppress(FileNotFoundError):
                     f.path.unlink()
@@ -245,8 +246,8 @@ def _merged(
             report.fragments += len(frags[bid])
         fold_waiting(catalog, waiting, report, void)
         if serving:
-            _fold_serving(catalog, _readable_serving(serving, layout, skip_damaged, report), report)
-        void.drop_void(catalog)
+            readable = _readable_serving(serving, layout, skip_damaged, report)
+            _fold_serving(catalog, readable, report, void.rows)
     finally:
         catalog.close()
     report.pending = pending_builds(layout)
@@ -258,7 +259,10 @@ def _fold_build(
     frags: list[Fragment],
     report: MergeReport,
     between: Callable[[str], None] | None,
+    void: VoidRows,
 ) -> None:
+    """Fold one finished build: its encoder and root manifest, then its shards' rows less the
+    ``void`` ones, then its hash rows (the module docstring's steps 1 to 3)."""
     done: dict[int, Fragment] = {}
     for f in frags:  # a rank run twice before a merge: its newest manifest slice counts
         rank = f.info.rank
@@ -276,7 +280,7 @@ def _fold_build(
         _record_fidelity(catalog.layout, info.root, list(done.values()))
     if between:
         between("root")
-    fold_newest_first(catalog, frags, report)
+    fold_newest_first(catalog, frags, report, void)
     if items is not None:
         _record_undecodable(catalog, info.root, items, list(done.values()))
     if between:
@@ -293,17 +297,16 @@ def fold_waiting(
     void: Replacements,
 ) -> None:
     """Fold the shards' rows of builds not finished yet (``waiting``: build id -> its sealed
-    fragments) into the catalog, dropping the ``void`` rows after each, and retire each such
-    build a later build of its root superseded. A build with an unreadable fragment is left as
-    it is (``pending`` names it)."""
+    fragments) into the catalog, less the ``void`` rows, and retire each such build a later
+    build of its root superseded. A build with an unreadable fragment is left as it is
+    (``pending`` names it)."""
     for names in waiting.values():
         try:
             frags = [_read(n.path, catalog.layout) for n in names]
         except StoreCorrupt:
             continue
         folded = MergeReport()
-        fold_newest_first(catalog, frags, folded)  # as a finished build's (see _fold_build)
-        void.drop_void(catalog)  # before a superseded build's fragments go with what they say
+        fold_newest_first(catalog, frags, folded, void.rows)  # as a finished build's
         report.waiting_shards += folded.shards
         report.new_features += folded.new_features
         report.missing_shards += folded.missing_shards
@@ -316,13 +319,15 @@ def fold_waiting(
             report.fragments += len(frags)
 
 
-def fold_newest_first(catalog: Catalog, frags: Sequence[Fragment], report: MergeReport) -> None:
-    """Fold the shards' rows of ``frags`` into the catalog, newest fragment first: the first
-    row of a key folded wins, so a feature a build stored again (a later padding check found
-    it inexact, see bake/pipeline.py) in a later fragment wins over the one stored before
-    (which :class:`Replacements` then voids)."""
+def fold_newest_first(
+    catalog: Catalog, frags: Sequence[Fragment], report: MergeReport, void: VoidRows
+) -> None:
+    """Fold the shards' rows of ``frags`` into the catalog, newest fragment first, less the
+    ``void`` ones: the first row of a key folded wins, so a feature a build stored again (a
+    later padding check found it inexact, see bake/pipeline.py) in a later fragment wins over
+    the one stored before (which :class:`Replacements` voids)."""
     for f in sorted(frags, key=lambda f: f.created, reverse=True):
-        _add_shards(catalog, f, report)
+        _add_shards(catalog, f, report, void)
 
 
 @dataclass(frozen=True)
@@ -333,15 +338,18 @@ class Replacements:
     A build that stores features again (a failed padding check found them inexact) forgets
     their keys first; where its rows go to fragments, its fragment catalog seals one at once
     saying it replaces them (:meth:`featbake.store.fragment_catalog.FragmentCatalog.
-    forget_keys`). The rows of such a key in shards first recorded at or before then are void,
+    forget_keys`). The rows of such a key in shards recorded at or before then are void,
     whichever build or catalog version holds them (a merge that folded a build while it
     waited puts its padded rows in a bucket's published version; an engine's workers seal
     theirs under a build id of their own), except in a shard a fragment sealed after names
-    again: shards are named by their bytes, and the same features stored again make the same
-    shard. A merge drops the void rows before it folds (so the rows stored again are not
-    passed over as a key already held) and after each fold (the old rows folded back);
-    :func:`adopt_sealed_parts` likewise. A key not stored again is then a miss, encoded when
-    read, never the old row."""
+    again, or a writer recorded again after (the catalog keeps a shard's latest recording,
+    :func:`featbake.store.catalog.insert_shard`): shards are named by their bytes, and the
+    same features stored again make the same shard. A merge drops the void rows before it
+    folds (so the rows stored again are not passed over as a key already held), and its folds
+    copy none (:attr:`rows`), so that no commit of a merge killed anywhere holds one (before,
+    each fold was followed by a drop in a transaction of its own: a merge killed between the
+    two served the old row until the next merge); :func:`adopt_sealed_parts` likewise. A key
+    not stored again is then a miss, encoded when read, never the old row."""
 
     at: dict[str, float]
     sealed: tuple[tuple[float, frozenset[str]], ...] = ()
@@ -354,6 +362,16 @@ class Replacements:
             for key in f.replaced:
                 at[key] = max(at.get(key, f.created), f.created)
         return cls(at, tuple((f.created, f.shards) for f in read if at))
+
+    @functools.cached_property
+    def rows(self) -> VoidRows:
+        """The void rows as a fold skips them: each replaced key's time, and when a fragment
+        last named each shard (a shard named after a key's replacement holds no void row)."""
+        named: dict[str, float] = {}
+        for created, names in self.sealed:
+            for name in names:
+                named[name] = max(named.get(name, created), created)
+        return VoidRows(self.at, named)
 
     def named_after(self, when: float) -> set[str]:
         """The shards fragments sealed after ``when`` name."""
@@ -368,6 +386,13 @@ class Replacements:
             catalog.forget_rows_sealed_by(sorted(keys), when, self.named_after(when))
             for when, keys in sorted(by_time.items())
         )
+
+
+def sealed_replacements(layout: Layout) -> Replacements:
+    """What every sealed build fragment says of keys stored again, as a merge reads it (gc's
+    compaction ages the shards it writes by it: ``featbake.upkeep.gc.Compaction``)."""
+    names = [n.path for names in _by_build(layout).values() for n in names]
+    return Replacements.of(map(replacing_of, names))
 
 
 def replacing(f: Fragment) -> Replacing:
@@ -414,10 +439,9 @@ def adopt_sealed_parts(catalog: Catalog) -> int:
     void.drop_void(catalog)
     for f in sorted(frags, key=lambda f: f.created, reverse=True):
         try:  # its rows are copied from the file (ATTACH): merged and removed meanwhile
-            _add_shards(catalog, f, adopted)
+            _add_shards(catalog, f, adopted, void.rows)
         except (StoreCorrupt, sqlite3.Error):
             continue
-    void.drop_void(catalog)
     return adopted.new_features
 
 
@@ -457,17 +481,18 @@ def _record_undecodable(
     write_undecodable(catalog.layout, root, {k: r for k, r in failed.items() if k not in stored})
 
 
-def _add_shards(catalog: Catalog, f: Fragment, report: MergeReport) -> None:
-    """Add a fragment's shards and their rows to the catalog (first row wins, as in a build)."""
+def _add_shards(catalog: Catalog, f: Fragment, report: MergeReport, void: VoidRows) -> None:
+    """Add a fragment's shards and their rows to the catalog (first row wins, as in a build),
+    less the ``void`` ones."""
     if f.format_version >= 3:  # a catalog: its rows are copied through ATTACH
-        added = catalog.add_fragment_shards(f.path)
+        added = catalog.add_fragment_shards(f.path, void=void)
         report.new_features += added.features
         report.shards += added.shards
         report.missing_shards += added.missing
         return
     for shard in read_fragment(f.path, catalog.layout).shards:  # formats 1 and 2
         try:
-            report.new_features += catalog.add_shard(shard, now=f.created)
+            report.new_features += catalog.add_shard(shard, now=f.created, void=void)
             report.shards += 1
         except ShardMissing:
             report.missing_shards.append(shard.name)
@@ -538,8 +563,11 @@ def _read_serving(path: Path, layout: Layout) -> Fragment:
         ) from e
 
 
-def _fold_serving(catalog: Catalog, frags: list[Fragment], report: MergeReport) -> None:
-    """Fold ``serve`` fragments, oldest first, then their last uses; then unlink them."""
+def _fold_serving(
+    catalog: Catalog, frags: list[Fragment], report: MergeReport, void: VoidRows
+) -> None:
+    """Fold ``serve`` fragments, oldest first (their rows less the ``void`` ones), then their
+    last uses; then unlink them."""
     frags.sort(key=lambda f: f.created)
     for f in frags:
         info = f.info
@@ -552,7 +580,7 @@ def _fold_serving(catalog: Catalog, frags: list[Fragment], report: MergeReport) 
             _publish_root(catalog, info, f.items, f.created)
             if info.root not in report.roots:
                 report.roots.append(info.root)
-        _add_shards(catalog, f, report)
+        _add_shards(catalog, f, report, void)
         put_fragment_hashes(catalog, list(f.hashes))
     # After every shard's rows: a use may name a feature another fragment wrote back.
     catalog.record_uses(u for f in frags for u in f.uses)
