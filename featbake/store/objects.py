@@ -50,9 +50,11 @@ from featbake.store.hash_cache import FileStat
 from featbake.store.url import (
     BucketURL,
     azure_blob_endpoint,
+    azure_connection_endpoint,
     endpoint,
     endpoint_folder,
     endpoint_label,
+    gcs_emulator,
     gcs_endpoint,
     redact,
 )
@@ -1171,10 +1173,13 @@ class GCSObjects(ObjectStore):
                 "pip install 'featbake[gcs]' (google-cloud-storage)"
             ) from None
         project = os.environ.get("GOOGLE_CLOUD_PROJECT") or None
+        emulator = gcs_emulator(os.environ)  # ConfigError: not an http(s) endpoint
         try:
-            if os.environ.get("STORAGE_EMULATOR_HOST"):
+            if emulator:
                 client = storage.Client(
-                    project=project or "featbake", credentials=AnonymousCredentials()
+                    project=project or "featbake",
+                    credentials=AnonymousCredentials(),
+                    client_options={"api_endpoint": emulator},  # the library's, unchecked
                 )
             else:
                 client = storage.Client(project=project)
@@ -1290,16 +1295,35 @@ class GCSObjects(ObjectStore):
             "`gcloud storage cp --gzip-local`)"
         )
 
+    @contextlib.contextmanager
+    def pinned(self, name: str) -> Iterator[None]:
+        """A context for the GET of the generation a read pinned (:meth:`_read_head`): that
+        generation gone (404) is :class:`Transient`, read again from its metadata.
+
+        The object was put again between the two requests: another node publishing the
+        content-named shard it also holds (the same bytes, a new generation), a catalog's head
+        rewritten. Before, such a read was FileNotFoundError for an object that was there. One
+        deleted meanwhile is FileNotFoundError still, from the next try's metadata.
+        """
+        from google.api_core import exceptions as gx
+
+        try:
+            yield
+        except gx.NotFound:
+            raise Transient(f"{self.where(name)} was put again while it was read") from None
+
     def get_once(self, name: str, start: int = 0, length: int | None = None) -> ObjectBytes:
         info = self._read_head(name)
         blob = self.client.blob(self.key(name), generation=int(info.etag))
         end = None if length is None else start + length - 1
         if length is None:
-            data = blob.download_as_bytes(**self._media())
+            with self.pinned(name):
+                data = blob.download_as_bytes(**self._media())
         elif start >= info.size:
             data = b""
         else:
-            data = blob.download_as_bytes(start=start, end=end, checksum=None, **self._media())
+            with self.pinned(name):
+                data = blob.download_as_bytes(start=start, end=end, checksum=None, **self._media())
         if length is None:
             self.check_whole(name, len(data), info.size)
         return ObjectBytes(info, data)
@@ -1321,7 +1345,8 @@ class GCSObjects(ObjectStore):
         sink = ChunkSink(take)  # the library writes each chunk of the body as it comes
         # Its CRC32C is checked by the library unless a stalled body was resumed (a 206);
         # the size and the generation pinned by the HEAD hold either way.
-        blob.download_to_file(sink, **self._media())
+        with self.pinned(name):
+            blob.download_to_file(sink, **self._media())
         self.check_whole(name, sink.size, info.size)
         return info
 
@@ -1355,8 +1380,9 @@ class GCSObjects(ObjectStore):
             raise self.denied(
                 name, f"{e.code}", "the Application Default Credentials and the bucket's IAM"
             ) from None
-        if isinstance(e, requests.exceptions.ConnectTimeout):
-            raise self.no_connection(name) from None
+        unsent = self.unsent(name, e)
+        if unsent is not None:
+            raise unsent from None
         if read_stalled(e):
             # After the library's own tries (a stalled download resumed, each counted into
             # the read's 4): tried again whole, a read sent 16 requests for 4.
@@ -1373,6 +1399,23 @@ class GCSObjects(ObjectStore):
         if isinstance(e, gx.GoogleAPICallError):
             raise StoreError(f"{self.where(name)}: {e.code}: {redact(str(e.message))}") from e
         raise e
+
+    def unsent(self, name: str, e: BaseException) -> Exception | None:
+        """The one line for a request that never reached the endpoint, None for another error:
+        no connection in time, or a URL requests cannot send to (``InvalidSchema``,
+        ``InvalidURL``, ``MissingSchema``: an endpoint :func:`gcs_emulator` let through), which
+        was an internal error."""
+        import requests
+
+        if isinstance(e, requests.exceptions.ConnectTimeout):
+            return self.no_connection(name)
+        bad = requests.exceptions
+        if isinstance(e, bad.InvalidSchema | bad.InvalidURL | bad.MissingSchema):
+            return ConfigError(
+                f"cannot send a request for {self.where(name)} to {self.endpoint_label()} "
+                f"({redact(first_line(e))}); write STORAGE_EMULATOR_HOST as http://host:port"
+            )
+        return None
 
     def credentials_failed(self, name: str, e: BaseException) -> StoreError:
         """The one line for credentials that are not there or could not be refreshed: their
@@ -1441,6 +1484,16 @@ def azure_cut_body(e: BaseException) -> BaseException | None:
     return None
 
 
+def azure_error_code(e: BaseException) -> str:
+    """The service's error code in ``e`` as the service spells it ("ConditionNotMet",
+    "AuthorizationFailure"), "" when it gives none. azure-storage-blob hands most codes over as
+    its ``StorageErrorCode`` enum, whose ``str()`` is the enum's own name
+    ("StorageErrorCode.CONDITION_NOT_MET"): compared with the service's words it never matched,
+    and messages showed the enum, not the code its documentation lists."""
+    code = getattr(e, "error_code", None) or ""
+    return str(getattr(code, "value", code))
+
+
 def azure_retry(policy: type[Any]) -> Any:
     """The Azure client's retry policy: :data:`MAX_ATTEMPTS` requests, backing off 3, 5 and 9 s
     (1 + 2**n, +-1 s: the SDK counts the try before it waits), each wait times
@@ -1486,6 +1539,7 @@ class AzureObjects(ObjectStore):
         }
         env = os.environ
         connection = env.get("AZURE_STORAGE_CONNECTION_STRING", "")
+        azure_connection_endpoint(env)  # ConfigError: a BlobEndpoint the SDK would misread
         account = "" if connection else azure_blob_endpoint(env)
         credential = None if connection else self._credential()
         try:
@@ -1584,13 +1638,35 @@ class AzureObjects(ObjectStore):
             return None
         return self._info(props, name)
 
+    @contextlib.contextmanager
+    def one_version(self, name: str) -> Iterator[None]:
+        """A context for one read of object ``name`` in the downloader's GETs: a version put
+        meanwhile is :class:`Transient`, read again whole from the start (:meth:`_tried`).
+
+        The downloader asks its GETs after the first with ``If-Match`` the first's ETag, so an
+        object put again mid-read is a 412 (``ConditionNotMet``), not bytes of two versions.
+        featbake puts objects again on purpose: another node publishing the content-named shard
+        it also holds (the same bytes, a new ETag), a catalog's head rewritten. A shard of more
+        than one GET (:data:`AZURE_GET_BYTES`) failed its fetch there, where s3 (one GET) and
+        gs (unpinned) served it.
+        """
+        from azure.core import exceptions as zx
+
+        try:
+            yield
+        except zx.HttpResponseError as e:
+            if e.status_code != 412 and azure_error_code(e) != "ConditionNotMet":
+                raise
+            raise Transient(f"{self.where(name)} was put again while it was read") from None
+
     def get_once(self, name: str, start: int = 0, length: int | None = None) -> ObjectBytes:
         blob = self.client.get_blob_client(self.key(name))
-        if length is None:
-            got = blob.download_blob(max_concurrency=1)
-        else:
-            got = blob.download_blob(offset=start, length=length, max_concurrency=1)
-        data = got.readall()
+        with self.one_version(name):
+            if length is None:
+                got = blob.download_blob(max_concurrency=1)
+            else:
+                got = blob.download_blob(offset=start, length=length, max_concurrency=1)
+            data = got.readall()
         self.check_whole(name, len(data), got.size)
         props = got.properties
         size = len(data) if length is None else content_range_size(props.content_range, len(data))
@@ -1598,7 +1674,7 @@ class AzureObjects(ObjectStore):
 
     def download_once(self, name: str, dest: Path) -> int:
         blob = self.client.get_blob_client(self.key(name))
-        with open(dest, "r+b" if dest.exists() else "wb") as f:
+        with open(dest, "r+b" if dest.exists() else "wb") as f, self.one_version(name):
             got = blob.download_blob(max_concurrency=1)
             size = got.readinto(f)
             f.truncate(size)
@@ -1610,10 +1686,11 @@ class AzureObjects(ObjectStore):
         # several copies of each GET's bytes meanwhile (a 6 MiB object peaked at 37.8 MB under
         # tracemalloc; at 56.7 MB when it came in one GET, 226 MB for 24 MiB).
         blob = self.client.get_blob_client(self.key(name))
-        got = blob.download_blob(max_concurrency=1)
         sink = ChunkSink(take)
-        for chunk in got.chunks():
-            sink.write(chunk)
+        with self.one_version(name):
+            got = blob.download_blob(max_concurrency=1)
+            for chunk in got.chunks():
+                sink.write(chunk)
         self.check_whole(name, sink.size, got.size)
         return self._info(got.properties, name, sink.size)
 
@@ -1630,11 +1707,13 @@ class AzureObjects(ObjectStore):
     def translate(self, name: str, e: BaseException) -> None:
         from azure.core import exceptions as zx
 
-        code = str(getattr(e, "error_code", "") or "")
+        code = azure_error_code(e)
         if isinstance(e, zx.ResourceExistsError) or code in (
             "ConditionNotMet",
             "BlobAlreadyExists",
         ):
+            # A create-only put's: 409, or 412 from a block list (the SDK makes that a
+            # ResourceExistsError); a read's 412 is :meth:`one_version`'s.
             raise Exists(name) from None
         if isinstance(e, zx.ResourceNotFoundError):
             if code == "ContainerNotFound":

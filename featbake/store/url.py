@@ -96,12 +96,26 @@ def endpoint_from(env: Mapping[str, str]) -> str | None:
     var, value = named_endpoint(env)
     if not value:
         return None
-    shown = redact(value)
+    return checked_endpoint(var, value, "AWS_ENDPOINT_URL=http://127.0.0.1:9000")
+
+
+def checked_endpoint(var: str, value: str, example: str) -> str:
+    """``value``, the endpoint setting ``var`` names, if it is an http(s) URL with a host: what
+    each cloud's client takes. Its client would reject another in its first request, with an
+    internal error (requests' ``InvalidSchema``) or as a network fault (an SSL error).
+
+    Raises:
+        ConfigError: it is not one (one line, named without its credentials, with ``example``).
+
+    Example:
+        >>> checked_endpoint("X", "http://127.0.0.1:9000", "X=http://127.0.0.1:9000")
+        'http://127.0.0.1:9000'
+    """
     parts = _split(value)
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(
-            f"{var}={shown!r} is not an endpoint URL; write it as http://host:port or "
-            "https://host (a port from 1 to 65535), e.g. AWS_ENDPOINT_URL=http://127.0.0.1:9000"
+            f"{var}={redact(value)!r} is not an endpoint URL; write it as http://host:port or "
+            f"https://host (a port from 1 to 65535), e.g. {example}"
         )
     return value
 
@@ -167,6 +181,26 @@ def gcs_endpoint(env: Mapping[str, str]) -> str:
     return host if "://" in host else f"http://{host}"
 
 
+def gcs_emulator(env: Mapping[str, str]) -> str | None:
+    """The emulator endpoint ``STORAGE_EMULATOR_HOST`` names, checked, for the ``gs://``
+    client to be given (None: Google's own). Written ``host:port`` (as Google's Go and Java
+    clients and the gcloud CLI take it) it is ``http://host:port`` (:func:`gcs_endpoint`);
+    google-cloud-storage took the bare value as its URL, and every request was an internal
+    error ("No connection adapters were found").
+
+    Raises:
+        ConfigError: it is not an http(s) endpoint (one line, saying how to write it).
+
+    Example:
+        >>> gcs_emulator({"STORAGE_EMULATOR_HOST": "127.0.0.1:4443"}), gcs_emulator({})
+        ('http://127.0.0.1:4443', None)
+    """
+    if not env.get("STORAGE_EMULATOR_HOST"):
+        return None
+    example = "STORAGE_EMULATOR_HOST=http://127.0.0.1:4443"
+    return checked_endpoint("STORAGE_EMULATOR_HOST", gcs_endpoint(env), example)
+
+
 def connection_fields(text: str) -> dict[str, str]:
     """An Azure connection string's ``Name=value`` fields (names as written).
 
@@ -176,6 +210,26 @@ def connection_fields(text: str) -> dict[str, str]:
     """
     fields = (part.partition("=") for part in text.split(";") if "=" in part)
     return {name.strip(): value.strip() for name, _, value in fields}
+
+
+def azure_connection_endpoint(env: Mapping[str, str]) -> str | None:
+    """The ``BlobEndpoint`` of ``AZURE_STORAGE_CONNECTION_STRING``, checked; None where it
+    names none. azure-storage-blob takes one without a scheme as a host name to reach over
+    HTTPS: Azurite's ``127.0.0.1:10000/devstoreaccount1`` failed each request as an SSL error.
+
+    Raises:
+        ConfigError: it is not an http(s) endpoint (one line, saying how to write it).
+
+    Example:
+        >>> connection = "AccountName=a;BlobEndpoint=http://127.0.0.1:10000/a/"
+        >>> azure_connection_endpoint({"AZURE_STORAGE_CONNECTION_STRING": connection})
+        'http://127.0.0.1:10000/a'
+    """
+    named = connection_fields(env.get("AZURE_STORAGE_CONNECTION_STRING", "")).get("BlobEndpoint")
+    if not named:
+        return None
+    example = "BlobEndpoint=http://127.0.0.1:10000/devstoreaccount1 in the connection string"
+    return checked_endpoint("BlobEndpoint", named, example).rstrip("/")
 
 
 def azure_blob_endpoint(env: Mapping[str, str]) -> str:
@@ -192,7 +246,7 @@ def azure_blob_endpoint(env: Mapping[str, str]) -> str:
     """
     fields = connection_fields(env.get("AZURE_STORAGE_CONNECTION_STRING", ""))
     if fields.get("BlobEndpoint"):
-        return fields["BlobEndpoint"].rstrip("/")
+        return fields["BlobEndpoint"].rstrip("/")  # checked where the client is made
     account = fields.get("AccountName") or env.get("AZURE_STORAGE_ACCOUNT_NAME", "")
     if not account:
         raise ConfigError(

@@ -260,25 +260,58 @@ def test_an_empty_bucket_in_the_url_is_refused_and_makes_no_folder(
     assert not any(tmp_path.iterdir())
 
 
+#: An Azurite connection string whose BlobEndpoint is ``{}``.
+AZURITE = (
+    "DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey="
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==;"
+    "BlobEndpoint={};"
+)
+
+
 @pytest.mark.parametrize(
     ("env", "says"),
     [({"AWS_ENDPOINT_URL": "minio:9000"}, "not an endpoint URL"),
      ({"AWS_ENDPOINT_URL": "http://"}, "not an endpoint URL"),
      ({"AWS_ENDPOINT_URL": "http://127.0.0.1:99999"}, "not an endpoint URL"),
-     ({"AWS_PROFILE": "no-such-profile-here"}, "no-such-profile-here")],
+     ({"AWS_PROFILE": "no-such-profile-here"}, "no-such-profile-here"),
+     ({"STORAGE_EMULATOR_HOST": "http://"}, "write it as http://host:port"),
+     ({"STORAGE_EMULATOR_HOST": "ftp://127.0.0.1:4443"}, "write it as http://host:port"),
+     ({"AZURE_STORAGE_CONNECTION_STRING": AZURITE.format("127.0.0.1:10000/devstoreaccount1")},
+      "write it as http://host:port"),
+     ({"AZURE_STORAGE_CONNECTION_STRING": AZURITE.format("http://")}, "not an endpoint URL")],
 )  # fmt: skip
 def test_a_malformed_endpoint_or_profile_is_one_line(
     env: dict[str, str], says: str, tmp_path: Path
 ) -> None:
-    """S3 only: ``AWS_ENDPOINT_URL`` and ``AWS_PROFILE`` are boto3's own settings, read by
-    botocore's config loader; the other clouds' settings are covered below (a stalled endpoint,
-    credentials in the endpoint)."""
+    """``AWS_ENDPOINT_URL`` and ``AWS_PROFILE`` are boto3's own settings, read by botocore's
+    config loader; ``STORAGE_EMULATOR_HOST`` and the connection string's ``BlobEndpoint`` are
+    the other clouds' endpoints. Before, gs's was an internal error in its first request
+    (requests' "No connection adapters were found"), az's without a scheme an SSL error in
+    each (the SDK took it as a host to reach over HTTPS)."""
+    scheme = "gs" if "STORAGE_EMULATOR_HOST" in env else "az" if "AZURE" in str(env) else "s3"
     got = invoke(
-        "stats", "--cache", "s3://bucket/p", "--local-cache", tmp_path,
+        "stats", "--cache", f"{scheme}://bucket/p", "--local-cache", tmp_path,
         env={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", **env},
     )  # fmt: skip
     assert got.returncode == 2 and says in got.stderr, got.stderr
     assert "internal error" not in got.stderr and len(got.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("place", ["gs"], indirect=True)
+def test_an_emulator_host_without_a_scheme_is_read_as_http(
+    place: Place, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``STORAGE_EMULATOR_HOST=host:port``, as Google's other clients write it, is
+    ``http://host:port``, what featbake's tier folder and messages already took it for: before,
+    every gs:// command was an internal error ("InvalidSchema: No connection adapters were
+    found"). Here a store's reads and writes, and a command, reach the server."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", place.endpoint.removeprefix("http://"))
+    store = ObjectStore(BucketURL.parse(place.url))
+    src = tmp_path / "x.bin"
+    src.write_bytes(b"bytes")
+    assert store.upload("a/x.bin", src) and store.read("a/x.bin").data == b"bytes"
+    got = invoke("stats", "--cache", place.url)
+    assert got.returncode == 5 and "has no published catalog yet" in got.stderr, got.stderr
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

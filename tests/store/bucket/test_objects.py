@@ -82,15 +82,26 @@ def test_a_rewrite_changes_the_version_tag(place: Remote | S3, tmp_path: Path) -
     assert before is not None and after is not None and before.etag != after.etag
 
 
-def test_of_two_racing_create_only_puts_one_wins(place: Remote | S3, tmp_path: Path) -> None:
-    """What keeps two merges from both publishing one catalog version."""
+@pytest.mark.parametrize("size", [1000, 9 << 20])
+def test_of_two_racing_create_only_puts_one_wins(
+    place: Remote | S3, tmp_path: Path, size: int, request: pytest.FixtureRequest
+) -> None:
+    """What keeps two merges from both publishing one catalog version; 9 MiB: a catalog past
+    google-cloud-storage's 8 MiB, which it uploads resumable. GCS enforces
+    ``ifGenerationMatch=0`` there too; the fake-gcs-server binary of the pip wrapper does not
+    (fsouza/fake-gcs-server#1967, fixed in its PR #2260): both racers win, so gs is expected
+    to fail at that size until the binary is newer (strict: the test says when it is)."""
+    if place.scheme == "gs" and size > 8 << 20:
+        request.applymarker(
+            pytest.mark.xfail(strict=True, reason="fake-gcs-server#1967: resumable uploads")
+        )
     store = store_of(place)
     won: dict[int, bool] = {}
     start = threading.Barrier(2)
 
     def racer(i: int) -> None:
         src = tmp_path / f"v{i}.sqlite"
-        src.write_bytes(bytes([i]) * 1000)
+        src.write_bytes(bytes([i]) * size)
         start.wait()
         won[i] = store.upload("catalog/v000000001.sqlite", src, create=True)
 
@@ -101,7 +112,7 @@ def test_of_two_racing_create_only_puts_one_wins(place: Remote | S3, tmp_path: P
         t.join()
     assert sorted(won.values()) == [False, True]
     winner = next(i for i, w in won.items() if w)
-    assert store.read("catalog/v000000001.sqlite").data == bytes([winner]) * 1000
+    assert store.read("catalog/v000000001.sqlite").data == bytes([winner]) * size
     assert not put(store, tmp_path, "catalog/v000000001.sqlite", b"late", create=True)
 
 
@@ -552,3 +563,123 @@ def test_an_object_of_several_gets_reads_whole_on_every_place(
     )
     assert store.download("big.bin", tmp_path / "big.out") == len(data)
     assert (tmp_path / "big.out").read_bytes() == data
+
+
+def test_an_object_put_again_with_its_bytes_mid_read_reads_whole_on_every_place(
+    place: Remote | S3, tmp_path: Path, proxied: Callable[..., DroppingProxy]
+) -> None:
+    """Another node puts an object again with the same bytes (a content-named shard both
+    publish) between a read's first and second GET for it: each read gives its bytes whole,
+    and a whole read the version tag of what it read. Before, az's downloader sent its later
+    4 MiB GETs with ``If-Match`` the first's ETag and the 412 ended the read after one try
+    ("StorageErrorCode.CONDITION_NOT_MET"); gs's GET of the generation its metadata pinned was
+    a 404, read as FileNotFoundError. s3 reads in one GET: nothing is put again there."""
+    import hashlib
+
+    from featbake.store.objects import AZURE_GET_BYTES
+
+    data = os.urandom(2 * AZURE_GET_BYTES + 12_345)
+    src = tmp_path / "shard.bin"
+    src.write_bytes(data)
+    name = "shards/ab/cd.safetensors"
+    other = store_of(place)  # another node's client, made now: straight to the server
+    assert other.upload(name, src)
+    key = BucketURL.parse(place.url).key(name)
+    gets: list[Asked] = []
+    put_again: list[int] = []
+
+    def second_get_puts_again(asked: Asked) -> bool:
+        if asked.method == "GET" and asked.names(key):
+            gets.append(asked)
+            if len(gets) == 2:
+                assert other.upload(name, src)  # before the GET reaches the server
+                put_again.append(len(gets))
+        return False
+
+    proxied(refuse=second_get_puts_again)
+    store = store_of(place)
+
+    def downloaded() -> bytes:
+        store.download(name, tmp_path / "got")
+        return (tmp_path / "got").read_bytes()
+
+    start, length = AZURE_GET_BYTES - 1000, AZURE_GET_BYTES + 2000  # across two az GETs
+    reads: list[tuple[Callable[[], bytes], bytes]] = [
+        (lambda: store.read(name).data, data),
+        (lambda: store.read_range(name, start, length), data[start : start + length]),
+        (lambda: bytes.fromhex(store.hashed(name).sha256), hashlib.sha256(data).digest()),
+        (downloaded, data),
+    ]
+    for n, (read, wanted) in enumerate(reads):
+        gets.clear()
+        assert read() == wanted, n
+    if place.scheme == "az":  # every read there is several GETs
+        assert len(put_again) == len(reads), put_again
+    got = store.read(name)
+    info = other.head(name)
+    assert info is not None and got.info.etag == info.etag and got.data == data
+
+
+@pytest.mark.parametrize("place", ["az"], indirect=True)
+def test_an_azure_put_answered_condition_not_met_is_a_race_lost(
+    place: Remote | S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put the service answers 412 ``ConditionNotMet`` is the name taken (a create-only put
+    returns False), as a 409 ``BlobAlreadyExists`` is. azure-storage-blob hands that code over
+    as its enum, which never matched the service's word: the 412 was a StoreError
+    ("StorageErrorCode.CONDITION_NOT_MET"). The SDK makes a create-only put's own 412 a 409
+    before featbake sees it, so here the put's condition is an ETag the object no longer has."""
+    from azure.core import MatchConditions
+
+    store = store_of(place)
+    name = "catalog/v000000001.sqlite"
+    assert put(store, tmp_path, name, b"first")
+    stale = store.head(name)
+    assert stale is not None and put(store, tmp_path, name, b"second")
+
+    def put_if_unchanged(self: AzureObjects, name: str, src: Path, *, create: bool) -> None:
+        blob = self.client.get_blob_client(self.key(name))
+        condition = {"etag": stale.etag, "match_condition": MatchConditions.IfNotModified}
+        blob.upload_blob(src.read_bytes(), overwrite=True, **condition)
+
+    with monkeypatch.context() as m:
+        m.setattr(AzureObjects, "put", put_if_unchanged)
+        assert not put(store, tmp_path, name, b"third", create=True)
+    assert store.read(name).data == b"second"
+
+
+@pytest.mark.parametrize("place", ["az"], indirect=True)
+def test_an_azure_refusal_names_the_services_code(
+    place: Remote | S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request Azure refuses (a wrong account key) is one line naming the code the service
+    gave, as Azure's documentation lists it; before, it named the SDK's enum
+    ("StorageErrorCode.AUTHORIZATION_FAILURE")."""
+    import base64
+
+    connection = place.env["AZURE_STORAGE_CONNECTION_STRING"]
+    key = connection.partition("AccountKey=")[2].partition(";")[0]
+    wrong = base64.b64encode(b"not the key" * 4).decode()
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection.replace(key, wrong))
+    store = store_of(place)
+    for call in (lambda: store.list(""), lambda: store.read("x.bin")):
+        with pytest.raises(StoreError) as said:
+            call()
+        message = str(said.value)
+        assert "was denied (AuthorizationFailure)" in message, message
+        assert "StorageErrorCode" not in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:4443/x", "ftp://127.0.0.1:4443/x", "http:///x"])
+def test_a_gs_request_to_a_url_requests_cannot_send_is_one_line(url: str) -> None:
+    """requests' MissingSchema, InvalidSchema and InvalidURL (an endpoint the client was given
+    that is no http(s) URL) are one line saying how to write the endpoint, not an internal
+    error."""
+    import requests
+
+    store = ObjectStore(BucketURL.parse("gs://bb/p"))
+    with pytest.raises(ConfigError) as said, store.errors("x"):
+        requests.get(url, timeout=1)
+    message = str(said.value)
+    assert message.startswith("cannot send a request for gs://bb/p/x to ") and "\n" not in message
+    assert "write STORAGE_EMULATOR_HOST as http://host:port" in message, message
