@@ -1070,7 +1070,9 @@ class Compaction:
         """The planned shards still as planned, each with its era: how many replacement times
         the sealed fragments name now come before its age (noted in ``_ages``). Those rewritten
         or removed since the plan are passed over."""
-        void = sealed_replacements(self.layout).rows
+        # The store's own fragments (a bucket's, synced into its tier by the plan), not the
+        # work copy's: a bucket's gc compacts a copy of its newest version, which holds none.
+        void = sealed_replacements(self.plan.layout).rows
         times = sorted(set(void.at.values()))
         eras: dict[ShardRow, int] = {}
         for s in self.plan.compact:

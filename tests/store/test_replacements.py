@@ -5,6 +5,7 @@ compacts the shards holding them, and a rebuild storing the same bytes again."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from featbake.store.layout import Layout
 from featbake.store.merge import adopt_sealed_parts, merge
 from featbake.store.roots import RootSpec
 from featbake.store.shard import SealedShard, ShardReader, tensor_name, write_shard
-from featbake.upkeep.gc import GcOptions, gc
+from featbake.upkeep.gc import GcOptions, _commit_steps, gc, plan_gc
 from tests.store.test_fragments import Killed
 
 EFP, RFP = "e" * 64, "r" * 64
@@ -114,16 +115,10 @@ def test_a_fold_of_a_waiting_build_killed_once_committed_holds_no_row_it_replace
     assert len(shards_of(layout, A)) == 1
 
 
-def test_rows_stored_after_a_replacement_keep_their_age_through_compaction(
-    tmp_path: Path,
-) -> None:
-    """Part 0/2 of root w stores a padded, forgets it and is killed; root s then stores a
-    exactly, in one process; a gc merges the small shards (c's, of an older root, and a's
-    exact one). Before, the compacted shard was recorded as old as the oldest it took rows
-    from: a's exact row looked older than the replacement and the next merge dropped it (a
-    miss for good once w is rebuilt; 9 good rows of 9 in an end-to-end run). Now compaction
-    never mixes rows from either side of a replacement: a's exact row stays, c's too."""
-    layout = Layout(tmp_path / "store").ensure()
+def replaced_then_stored_exactly(layout: Layout) -> SealedShard:
+    """Root o's key c in a small shard of its own (an older root); part 0/2 of root w stores
+    a padded, forgets it and is killed; root s then stores a exactly, in one process (its
+    shard returned); merged."""
     with Catalog(layout) as cat:
         cat.record_encoder(EFP, "enc", "torchscript")
         cat.replace_root(RootSpec("o", "/o", "enc", EFP, RFP, {}), [("c.wav", C)], now=1000.0)
@@ -140,15 +135,34 @@ def test_rows_stored_after_a_replacement_keep_their_age_through_compaction(
         cat.replace_root(RootSpec("s", "/s", "enc", EFP, RFP, {}), [("a.wav", A)], now=later)
         cat.add_shard(exact, now=later)
     merge(layout)
-    assert shards_of(layout, A) == [exact.name]
-    assert gc(layout, GcOptions(merge_small=True, grace=0.0)).shards_written >= 1
-    merge(layout)
+    return exact
+
+
+def assert_serves_the_exact_row(layout: Layout) -> None:
+    """The catalog's one row of a points at its exact features."""
     assert len(shards_of(layout, A)) == 1
-    assert len(shards_of(layout, C)) == 1
     with Catalog(layout, read_only=True) as cat:
         (loc,) = cat.locate(A)
     with ShardReader(layout.shard_path(loc.shard)) as reader:
         assert torch.equal(reader.read(tensor_name(A, "")), torch.full((3,), 2.0))
+
+
+def test_rows_stored_after_a_replacement_keep_their_age_through_compaction(
+    tmp_path: Path,
+) -> None:
+    """Part 0/2 of root w stores a padded, forgets it and is killed; root s then stores a
+    exactly, in one process; a gc merges the small shards (c's, of an older root, and a's
+    exact one). Before, the compacted shard was recorded as old as the oldest it took rows
+    from: a's exact row looked older than the replacement and the next merge dropped it (a
+    miss for good once w is rebuilt; 9 good rows of 9 in an end-to-end run). Now compaction
+    never mixes rows from either side of a replacement: a's exact row stays, c's too."""
+    layout = Layout(tmp_path / "store").ensure()
+    exact = replaced_then_stored_exactly(layout)
+    assert shards_of(layout, A) == [exact.name]
+    assert gc(layout, GcOptions(merge_small=True, grace=0.0)).shards_written >= 1
+    merge(layout)
+    assert len(shards_of(layout, C)) == 1
+    assert_serves_the_exact_row(layout)
 
 
 def test_the_same_bytes_stored_again_after_a_replacement_are_kept(tmp_path: Path) -> None:
@@ -180,3 +194,24 @@ def test_the_same_bytes_stored_again_after_a_replacement_are_kept(tmp_path: Path
     assert list(sealed_fragments(layout)) == []  # the parts retired: the row stands alone
     merge(layout)
     assert shards_of(layout, C) == [first.name]
+
+
+def test_a_compaction_on_a_copy_of_the_catalog_ages_by_the_stores_own_fragments(
+    tmp_path: Path,
+) -> None:
+    """A bucket's gc compacts a copy of its newest catalog version (``work``), whose folder
+    holds no fragments: the replacements are the store's own (its tier's, synced by the
+    plan). Read from the copy, there were none, so the compacted shard took its oldest
+    source's age and the next merge dropped a's exact row, as in the test above."""
+    layout = Layout(tmp_path / "store").ensure()
+    replaced_then_stored_exactly(layout)
+    plan = plan_gc(layout, GcOptions(merge_small=True, grace=0.0))
+    assert plan.compact
+    work = Layout(tmp_path / "work").ensure()  # the copy: the catalog, no fragments
+    shutil.copy2(layout.catalog, work.catalog)
+    shutil.copytree(layout.shards, work.shards, dirs_exist_ok=True)
+    _commit_steps(plan, work, lambda *_: None)
+    shutil.copy2(work.catalog, layout.catalog)  # published: the store's catalog now
+    shutil.copytree(work.shards, layout.shards, dirs_exist_ok=True)
+    merge(layout)
+    assert_serves_the_exact_row(layout)
