@@ -459,12 +459,16 @@ _ITEM_SETS = [
 
 def records_into(ins: list[Any], i: int) -> bool:
     """Whether the value loaded at ``ins[i]`` is recorded into in place: a recording method
-    called on it (``append``, ``extend``, ``add``, ...), an item of it set under a key loaded
-    as it is (``x["out"] = v``, the forum's ``activation[name] = v``), or an item of it bumped
-    (``x[k] += v``: load, key, ``COPY``, ``COPY``, ``BINARY_SUBSCR``)."""
+    called on it (``append``, ``extend``, ``add``, ...), an attribute of it set
+    (``self.monitor.last = v``: a debug value kept in an object of the module's), an item of
+    it set under a key loaded as it is (``x["out"] = v``, the forum's ``activation[name] =
+    v``), or an item of it bumped (``x[k] += v``: load, key, ``COPY``, ``COPY``,
+    ``BINARY_SUBSCR``)."""
     after = ins[i + 1 : i + 5]
     if after and after[0].opname in _ATTRIBUTE_LOADS and after[0].argval in RECORDING_METHODS:
         return True
+    if after and after[0].opname == "STORE_ATTR":
+        return True  # self.monitor.last = v: the value was computed before the load
     if [o.opname for o in after[:2]] in _ITEM_SETS:
         return True  # x["out"] = v, x[name] = v: an item set under a key loaded as it is
     return [o.opname for o in after[1:4]] == ["COPY", "COPY", "BINARY_SUBSCR"]

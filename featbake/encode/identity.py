@@ -235,10 +235,10 @@ def held_attribute_text(module: Any, value: Any, *, exact: bool) -> str | None:
             return None  # an array of objects: its bytes are addresses
         exact = exact or value.nbytes <= WATCHED_ARRAY_BYTES
         return f"held:ndarray({global_tensor_digest(value, exact=exact)})"
-    # A tensor in a plain list, tuple or dict is keyed as a buffer is (tensor_attributes) and
-    # read by its version by a watch; one inside anything else by its values, here.
-    inside = type(value) not in (list, tuple, dict)
-    reading = HeldReading(_TreeIds(module), exact=exact, tensors=inside)
+    # A plain list, tuple or dict holding tensors is keyed as buffers are (tensor_attributes)
+    # and never read here (held_attribute); a tensor inside anything else, at any depth (a
+    # namespace in a list), by its values.
+    reading = HeldReading(_TreeIds(module), exact=exact, tensors=True)
     text = reading.text(value)
     return None if reading.refused else f"held:{text}"
 

@@ -112,11 +112,20 @@ class _HeldStatistics(TinyConvEncoder):
             "object": _Statistics,
             "namespace": lambda: types.SimpleNamespace(std=torch.tensor(2.0)),
             "dataclass": lambda: _StatisticsRecord(torch.tensor(2.0)),
+            "list": lambda: [_Statistics()],
+            "dict": lambda: {"cmvn": types.SimpleNamespace(std=torch.tensor(2.0))},
         }
         self.cmvn = holders[kind]()
 
+    @property
+    def stats(self) -> Any:
+        held = self.cmvn
+        return (
+            held[0] if isinstance(held, list) else held["cmvn"] if isinstance(held, dict) else held
+        )
+
     def forward(self, wav: torch.Tensor) -> torch.Tensor:
-        return super().forward(wav) * self.cmvn.std
+        return super().forward(wav) * self.stats.std
 
 
 CHANGES = {
@@ -140,6 +149,14 @@ CHANGES = {
     "dataclass-tensor-edited": (
         functools.partial(_HeldStatistics, "dataclass"),
         lambda m: m.cmvn.std.mul_(3.0),
+    ),
+    "object-in-a-list-tensor-replaced": (
+        functools.partial(_HeldStatistics, "list"),
+        lambda m: setattr(m.stats, "std", torch.tensor(0.5)),
+    ),
+    "namespace-in-a-dict-tensor-edited": (
+        functools.partial(_HeldStatistics, "dict"),
+        lambda m: m.stats.std.fill_(0.5),
     ),
 }
 
@@ -217,6 +234,35 @@ def test_a_log_the_forward_records_into_stays_out_of_the_key(tmp_path: Path) -> 
     cached(x, ids=["a", "b"])
     assert module.seen and attribute_identity(module) == before
     assert cached.cache_info()["encoded"] == 2
+
+
+class _KeepsADebugValue(TinyConvEncoder):
+    """A forward that sets a tensor on an object of its own and never reads it back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.monitor = _Statistics()
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        out = super().forward(wav)
+        self.monitor.std = out.detach().pow(2).mean()
+        return out
+
+
+def test_a_tensor_the_forward_sets_on_an_object_of_its_own_stays_out_of_the_key(
+    tmp_path: Path, audio_dir: Path
+) -> None:
+    """r23.3's first form read a held object's tensors by value, this one's too: each forward
+    changed the key, so a dataset made after a run missed every item (``on_miss="error"``
+    raised; by default each was encoded again under new keys). An attribute the forward sets
+    on an object of the module's (``self.monitor.x = v``) is recorded into: derived state."""
+    module = frozen(_KeepsADebugValue())
+    before = attribute_identity(module)
+    with torch.inference_mode():
+        module(waves(1))
+    assert attribute_identity(module) == before
+    again = _baked_then_reopened(audio_dir, module, tmp_path / "a", n=2)  # on_miss="error"
+    _assert_live(again, module, 2)
 
 
 class _HoldsWhatNoKeyReads(_DictSettings):
