@@ -998,6 +998,7 @@ class CompactionResult:
     bytes_written: int = 0
     problems: list[str] = field(default_factory=list)
     passed_over: int = 0  # planned shards another gc rewrote or removed since the plan
+    left_alone: int = 0  # planned shards alone in their era, all rows live: the same bytes again
 
     def as_result(self) -> GcResult:
         """Its share of the run's result (the bytes it wrote count against those freed)."""
@@ -1046,8 +1047,8 @@ class Compaction:
     replacing fragment's time is taken before its file appears, so one sealed while gc reads
     the fragments may be older than a shard compacted: a void row would then look new and be
     served. With eras such a replacement can only make a good row look old: a miss, encoded
-    again. (A group of one small shard is rewritten unchanged: a waste, only while a
-    replacement waits.)
+    again. A shard alone in its era with every row live is left as it is (rewritten, it was
+    the same bytes again at every run while the replacement waited).
     """
 
     def __init__(self, catalog: Catalog, plan: GcPlan, work: Layout) -> None:
@@ -1062,9 +1063,19 @@ class Compaction:
         for s, era in self._eras().items():
             groups[(s.encoder_fp, s.recipe_fp, era)].append(s)
         for (enc_fp, rec_fp, _), shards in groups.items():
+            if len(shards) == 1 and self._all_live(shards[0]):
+                # Alone in its era (a replacement waits) with nothing to drop: rewritten, it
+                # would be the same bytes again, at every gc run while the replacement waits.
+                self.out.left_alone += 1
+                continue
             self._group(enc_fp, rec_fp, shards)
             tick("compact", len(self.out.emptied), len(self.plan.compact))
         return self.out
+
+    def _all_live(self, shard: ShardRow) -> bool:
+        """Whether every tensor of ``shard`` still has its row."""
+        rows = self._rows_still_planned(shard)
+        return rows is not None and len(rows) == shard.items
 
     def _eras(self) -> dict[ShardRow, int]:
         """The planned shards still as planned, each with its era: how many replacement times

@@ -118,7 +118,7 @@ def test_a_fold_of_a_waiting_build_killed_once_committed_holds_no_row_it_replace
 def replaced_then_stored_exactly(layout: Layout) -> SealedShard:
     """Root o's key c in a small shard of its own (an older root); part 0/2 of root w stores
     a padded, forgets it and is killed; root s then stores a exactly, in one process (its
-    shard returned); merged."""
+    shard returned), and b in a shard of its own; merged."""
     with Catalog(layout) as cat:
         cat.record_encoder(EFP, "enc", "torchscript")
         cat.replace_root(RootSpec("o", "/o", "enc", EFP, RFP, {}), [("c.wav", C)], now=1000.0)
@@ -132,8 +132,10 @@ def replaced_then_stored_exactly(layout: Layout) -> SealedShard:
     later = max(read_fragment(f.path, layout).created for f in sealed_fragments(layout)) + 1
     exact = write_shard(layout, {A: torch.full((3,), 2.0)}, EFP, RFP)
     with Catalog(layout) as cat:
-        cat.replace_root(RootSpec("s", "/s", "enc", EFP, RFP, {}), [("a.wav", A)], now=later)
+        items = [("a.wav", A), ("b.wav", B)]
+        cat.replace_root(RootSpec("s", "/s", "enc", EFP, RFP, {}), items, now=later)
         cat.add_shard(exact, now=later)
+        cat.add_shard(write_shard(layout, {B: torch.full((3,), 5.0)}, EFP, RFP), now=later)
     merge(layout)
     return exact
 
@@ -159,10 +161,14 @@ def test_rows_stored_after_a_replacement_keep_their_age_through_compaction(
     layout = Layout(tmp_path / "store").ensure()
     exact = replaced_then_stored_exactly(layout)
     assert shards_of(layout, A) == [exact.name]
-    assert gc(layout, GcOptions(merge_small=True, grace=0.0)).shards_written >= 1
+    c_shard = shards_of(layout, C)
+    assert gc(layout, GcOptions(merge_small=True, grace=0.0)).shards_written == 1  # a's and b's
+    assert shards_of(layout, A) == shards_of(layout, B) != c_shard
     merge(layout)
-    assert len(shards_of(layout, C)) == 1
+    assert shards_of(layout, C) == c_shard  # alone in its era, every row live: left as it is
     assert_serves_the_exact_row(layout)
+    again = gc(layout, GcOptions(merge_small=True, grace=0.0))  # settled: nothing to rewrite
+    assert again.shards_written == 0 and shards_of(layout, C) == c_shard
 
 
 def test_the_same_bytes_stored_again_after_a_replacement_are_kept(tmp_path: Path) -> None:
