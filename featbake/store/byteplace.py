@@ -821,7 +821,7 @@ def nested_tars_note(where: str, tars: Sequence[str], exts: Sequence[str]) -> st
 
 #: The metadata files ``datasets``' folder builders (``audiofolder``, ``imagefolder``) read
 #: beside a folder's files: their rows give the dataset's order and its columns.
-METADATA_NAMES = ("metadata.csv", "metadata.jsonl")
+METADATA_NAMES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")
 
 
 def metadata_note(where: str, top: Iterable[str]) -> str:
@@ -842,11 +842,14 @@ def metadata_note(where: str, top: Iterable[str]) -> str:
     if not names:
         return ""
     first = names[0]
+    manifest = f"{where}/{first}"
+    if first.lower().endswith(".parquet"):  # a table of cells, not a manifest of paths
+        manifest = f"{where}/metadata.csv (written from it, the same columns)"
     return (
         f'{where}/{first} orders the rows of load_dataset("audiofolder"/"imagefolder"); this '
         "build serves the folder's files in path order (ds.path(i)), without its columns: to "
-        f"serve its rows in its order, with its columns as ds.row(i), pass --data "
-        f"{where}/{first} --column file_name"
+        f"serve its rows in its order, with its columns as ds.row(i), pass --data {manifest} "
+        "--column file_name"
     )
 
 

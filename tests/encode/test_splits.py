@@ -562,3 +562,15 @@ def test_a_folder_with_a_datasets_metadata_file_says_how_to_serve_in_its_order(
     assert [ds.row(i) for i in range(3)] == [{"label": str(n)} for n in range(3)]
     for i, clip in enumerate(order):  # the file's order, not the folder's
         torch.testing.assert_close(ds[i], live_features(encoder_file, clip))
+
+
+def test_a_folder_with_a_parquet_metadata_file_is_said_too() -> None:
+    """``datasets`` reads ``metadata.parquet`` as it reads ``metadata.csv``
+    (``folder_based_builder.METADATA_FILENAMES``): the note names it, and since a ``.parquet``
+    ``--data`` is read as a table of cells, says to write it as a CSV manifest first."""
+    from featbake.store.byteplace import metadata_note
+
+    note = metadata_note("/d", ["a.wav", "metadata.parquet"])
+    assert note.startswith("/d/metadata.parquet orders the rows"), note
+    assert "pass --data /d/metadata.csv (written from it, the same columns)" in note, note
+    assert metadata_note("/d", ["a.wav", "notes.csv"]) == ""
