@@ -218,6 +218,35 @@ def parse_size(text: str, option: str) -> Size:
     return Size(numbers[0], numbers[-1])
 
 
+def processor_kind(config: Mapping[str, Any]) -> str:
+    """The image processor class a config names, as transformers finds it: its
+    ``image_processor_type``, else its ``feature_extractor_type`` with ``FeatureExtractor``
+    read as ``ImageProcessor`` (openai/clip-vit-*, google/vit-*, DeiT and DINO ship only that),
+    less the ``Fast``/``Pil`` backend suffix.
+
+    Example:
+        >>> processor_kind({"feature_extractor_type": "CLIPFeatureExtractor"})
+        'CLIPImageProcessor'
+    """
+    kind = config.get("image_processor_type") or str(
+        config.get("feature_extractor_type") or ""
+    ).replace("FeatureExtractor", "ImageProcessor")
+    return str(kind).removesuffix("Fast").removesuffix("Pil")
+
+
+def per_channel(value: Any) -> tuple[float, ...]:
+    """A processor's ``image_mean`` or ``image_std`` per RGB channel: a list as it is, a
+    number for each of the three (transformers broadcasts one over the channels).
+
+    Example:
+        >>> per_channel(0.5), per_channel([0.1, 0.2, 0.3])
+        ((0.5, 0.5, 0.5), (0.1, 0.2, 0.3))
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (float(value),) * 3
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class ImageRecipe:
     """Every step between a decoded image and the encoder's ``[C, H, W]`` float32 input.
@@ -308,13 +337,15 @@ class ImageRecipe:
             ...     "image_mean": [0.5] * 3, "image_std": [0.5] * 3}).describe()
             '224x224 bilinear rescale mean/std RGB'
         """
-        kind = str(config.get("image_processor_type", "")).removesuffix("Fast").removesuffix("Pil")
+        kind = processor_kind(config)
         if kind not in PLAIN_PROCESSORS or config.get("do_pad"):
             raise ConfigError(
                 f"{where} is a {kind or 'untyped'} processor, whose transform featbake does not "
                 f"reproduce (it runs {', '.join(sorted(PLAIN_PROCESSORS))}); give the transform "
                 "with --resize/--crop/--mean/--std and a TorchScript or import-path encoder"
             )
+        # A do_* flag set to null is off, as transformers reads it (``if do_center_crop:``).
+        config = {k: False if v is None and k.startswith("do_") else v for k, v in config.items()}
         defaults = PROCESSOR_DEFAULTS.get(kind)
         if defaults is not None:  # what the class does with a setting left out, or null
             given = {k: v for k, v in config.items() if v is not None}
@@ -332,8 +363,8 @@ class ImageRecipe:
             rescale=float(config.get("rescale_factor", RESCALE_255))
             if config.get("do_rescale", True)
             else None,
-            mean=tuple(mean) if normalize and mean is not None else None,
-            std=tuple(std) if normalize and std is not None else None,
+            mean=per_channel(mean) if normalize and mean is not None else None,
+            std=per_channel(std) if normalize and std is not None else None,
         )
 
     def key_fields(self) -> dict[str, Any]:

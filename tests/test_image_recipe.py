@@ -287,3 +287,47 @@ def test_absurd_image_options_are_one_line_and_exit_2_before_any_work(
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0] and "internal error" not in lines[0], lines
     assert "hash:" not in res.stderr  # refused before any input was read
+
+
+def test_a_config_naming_only_its_feature_extractor_is_read_as_transformers_reads_it(
+    tmp_path: Path,
+) -> None:
+    """openai/clip-vit-*, google/vit-*, DeiT and DINO ship ``feature_extractor_type`` and no
+    ``image_processor_type``: refused as an untyped processor, with advice no option could
+    follow. transformers reads ``CLIPFeatureExtractor`` as ``CLIPImageProcessor``; so does
+    featbake now, to the recipe transformers' resolved settings give."""
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    legacy = {k: v for k, v in CLIP.items() if k != "image_processor_type"}
+    legacy |= {"feature_extractor_type": "CLIPFeatureExtractor", "size": 32, "crop_size": 32}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(legacy))
+    resolved = transformers.AutoImageProcessor.from_pretrained(tmp_path, local_files_only=True)
+    got = ImageRecipe.from_processor(legacy)
+    assert got == ImageRecipe.from_processor(resolved.to_dict())
+    assert got.resize == Resize(ResizeKind.SHORTEST_EDGE, 32) and got.crop == Size(32, 32)
+
+
+def test_a_scalar_mean_and_null_flags_are_read_as_transformers_reads_them(tmp_path: Path) -> None:
+    """A scalar ``image_mean``/``image_std`` (broadcast over the channels by transformers) was
+    an internal error (``tuple(0.5)``); a ``do_*`` flag set to null, off for transformers
+    (``if do_center_crop:``), took the class's default (cropped, normalised)."""
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    scalar = ImageRecipe.from_processor({**VIT, "image_mean": 0.5, "image_std": 0.25})
+    assert scalar.mean == (0.5, 0.5, 0.5) and scalar.std == (0.25, 0.25, 0.25)
+    nulls = {**CLIP, "size": 40, "do_center_crop": None, "do_normalize": None}
+    off = ImageRecipe.from_processor(nulls)
+    assert off.crop is None and off.mean is None and off.std is None
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(nulls))
+    proc = transformers.AutoImageProcessor.from_pretrained(tmp_path, local_files_only=True)
+    image = write_image_folder(tmp_path / "img", 1, size=(56, 40))[0]
+    from PIL import Image
+
+    from featbake.encode.sources import source_for
+
+    want = proc(images=Image.open(image).convert("RGB"), return_tensors="np")["pixel_values"][0]
+    got = source_for(Recipe(source="image", image=off)).load(image).numpy()
+    assert got.shape == want.shape  # not cropped to 32x32 on either side
+    assert np.abs(got - want).max() < 1e-5

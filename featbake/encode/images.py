@@ -179,6 +179,7 @@ def decode_image(
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(os.fspath(path) if data is None else data) as opened:
                 opened.load()  # decode now: a truncated file fails here, not in the transform
+                unknown = unknown_range(opened)
                 image = ImageOps.exif_transpose(opened) if steps.exif else opened.copy()
     except FileNotFoundError as e:
         raise SourceError(f"{path}: file not found") from e
@@ -190,7 +191,33 @@ def decode_image(
         raise SourceError(
             f"{path}: cannot decode the image ({last_line(e)}); is it truncated?"
         ) from e
+    if unknown:
+        raise SourceError(f"{path}: {unknown} has no known range; save it as 8 or 16 bit")
     return to_mode(image, steps.mode, path)
+
+
+def unknown_range(image: Image.Image) -> str | None:
+    """What ``image`` is where its pixels have no range featbake can scale to 8 bits (None
+    where they have one). Pillow opens a 16-bit PNG or PGM as mode ``I`` (older Pillows) or
+    ``I;16``, and an int32, uint32 or signed int16 TIFF as ``I`` too: only unsigned 16-bit
+    sources are scaled (by 1/257); the others were, and served nearly black (an int32 TIFF of
+    pixels 0..255 became 0..1).
+
+    Example:
+        >>> unknown_range(Image.new("I", (1, 1))), unknown_range(Image.new("I;16", (1, 1)))
+        ('a 32-bit integer image', None)
+    """
+    if image.mode != "I" or image.format in ("PNG", "PPM"):
+        return None  # PNG and PGM have no 32-bit or signed greyscale: I is their 16 bits
+    tags = getattr(image, "tag_v2", None)
+    if image.format == "TIFF" and tags is not None:
+        bits, sample = tags.get(258, (0,)), tags.get(339, (1,))  # BitsPerSample, SampleFormat
+        first = lambda v: v[0] if isinstance(v, tuple) else v  # noqa: E731
+        if first(bits) == 16 and first(sample) == 1:
+            return None
+        kind = "a signed" if first(sample) == 2 else "an unsigned"
+        return f"{kind} {first(bits)}-bit integer image"
+    return "a 32-bit integer image"
 
 
 def to_mode(image: Image.Image, mode: ColourMode, path: str | os.PathLike[str] = "") -> Image.Image:

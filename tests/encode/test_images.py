@@ -201,3 +201,19 @@ def test_a_build_skips_bad_images_and_stores_the_rest(tmp_path: Path) -> None:
     reasons = dict(report.failed)
     assert set(reasons) == {"notes.jpg", "truncated.jpg"}
     assert "not an image" in reasons["notes.jpg"] and "truncated" in reasons["truncated.jpg"]
+
+
+def test_an_integer_tiff_of_unknown_range_is_refused_and_a_16_bit_one_scaled(
+    tmp_path: Path,
+) -> None:
+    """Pillow opens an int32 (or uint32, or signed int16) TIFF as mode ``I``, as it opens a
+    16-bit PNG on older Pillows: it was scaled as 16 bits (by 1/257), so pixels 0..255 became
+    0..1 and the image was served nearly black. Its range is unknown: refused in one line, as
+    a floating-point image is; an unsigned 16-bit TIFF is scaled as before."""
+    values = np.arange(64, dtype=np.int64).reshape(8, 8) * 4
+    Image.fromarray(values.astype(np.int32)).save(tmp_path / "wide.tif")
+    assert Image.open(tmp_path / "wide.tif").mode == "I"
+    with pytest.raises(SourceError, match="32-bit integer image has no known range"):
+        decode_image(tmp_path / "wide.tif", plain())
+    Image.fromarray((values * 257).astype(np.uint16)).save(tmp_path / "deep.tif")
+    assert pixels(tmp_path / "deep.tif")[..., 0].tolist() == values.tolist()
