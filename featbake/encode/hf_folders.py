@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -262,7 +263,7 @@ def load_tokenizer(folder: str | os.PathLike[str]) -> Any:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "sequence longer than max length": featbake says it
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:
         raise EncoderLoadError(
             f"transformers cannot load the tokenizer in {folder}: {first_line(e)}; save it "
@@ -270,6 +271,30 @@ def load_tokenizer(folder: str | os.PathLike[str]) -> Any:
         ) from e
     finally:
         hf_logging.set_verbosity(verbosity)
+    refuse_an_empty_vocabulary(tokenizer, folder)
+    return tokenizer
+
+
+def refuse_an_empty_vocabulary(tokenizer: Any, folder: str | os.PathLike[str]) -> None:
+    """Refuse a tokenizer that holds nothing but its special tokens: transformers builds one
+    from ``tokenizer_config.json`` alone where the vocabulary file (``tokenizer.json``,
+    ``vocab.txt``, ``vocab.json``, a ``.model``) is missing, without a word, and every text
+    then tokenised to ``[CLS] [UNK] ... [SEP]`` and was stored.
+
+    Raises:
+        EncoderLoadError: one line naming the folder and what to save beside the model.
+    """
+    specials = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    try:
+        words = [t for t in tokenizer.get_vocab() if t not in specials]
+    except (AttributeError, NotImplementedError):
+        return  # a tokenizer that cannot list its vocabulary: taken as it is
+    if not words:
+        raise EncoderLoadError(
+            f"the tokenizer in {folder} holds only its {len(specials)} special tokens: its "
+            "vocabulary file (tokenizer.json, vocab.txt, vocab.json or a .model) is missing; "
+            "save the tokenizer beside the model again (tokenizer.save_pretrained)"
+        )
 
 
 def text_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> TextRecipe:
@@ -293,15 +318,49 @@ def text_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> Te
             "beside the model with tokenizer.save_pretrained"
         )
     tokenizer = load_tokenizer(path)
-    limits = [int(getattr(tokenizer, "model_max_length", 0) or 0)]
-    limits.append(int(tower_config(read_config(path)).get("max_position_embeddings", 0) or 0))
+    positions = token_positions(tower_config(read_config(path)))
+    limits = [int(getattr(tokenizer, "model_max_length", 0) or 0), positions]
     known = [n for n in limits if 0 < n < 1_000_000]  # transformers' "no limit" is 1e30
     steps = TextRecipe(
         tokenizer=tokenizer_digest(path, tokenizer),
         max_length=min(known) if known else DEFAULT_MAX_TOKENS,
         folder=str(path),
     )
+    asked = changes.get("max_length")
+    if positions > 0 and isinstance(asked, int) and asked > positions:
+        raise ConfigError(
+            f"--max-tokens {asked} is past the {positions} tokens the model in {folder} has "
+            f"positions for; give at most {positions}"
+        )
     return steps.replace(**changes) if changes else steps
+
+
+#: Model types whose position ids start past the padding id (RoBERTa's
+#: ``create_position_ids_from_input_ids``: ``padding_idx + 1`` onwards), so their table's
+#: first ``pad_token_id + 1`` rows are no token's.
+PADDING_OFFSET_POSITIONS = frozenset(
+    {
+        "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "mpnet", "longformer",
+        "data2vec-text", "esm", "ibert", "roberta-prelayernorm", "markuplm", "luke", "xmod",
+    }
+)  # fmt: skip
+
+
+def token_positions(config: Mapping[str, Any]) -> int:
+    """How many tokens the model's position table holds (0: it states none):
+    ``max_position_embeddings``, less ``pad_token_id + 1`` for a model whose positions start
+    past the padding id (RoBERTa's 514 rows hold 512 tokens; taken whole, every text of 513
+    tokens or more failed at the table's end instead of being cut).
+
+    Example:
+        >>> token_positions({"model_type": "roberta", "max_position_embeddings": 514,
+        ...                  "pad_token_id": 1}), token_positions({"max_position_embeddings": 512})
+        (512, 512)
+    """
+    rows = int(config.get("max_position_embeddings", 0) or 0)
+    if rows <= 0 or config.get("model_type") not in PADDING_OFFSET_POSITIONS:
+        return rows
+    return max(0, rows - int(config.get("pad_token_id", 1) or 0) - 1)
 
 
 #: ``featbake build``'s text options -> the :class:`TextRecipe` field each sets.

@@ -25,12 +25,12 @@ import torch
 
 from featbake.bake.pipeline import build
 from featbake.encode.hf import HFTextEncoder, WeightsMismatch, recipe_for_encoder
-from featbake.encode.hf_folders import tokenizer_libraries
+from featbake.encode.hf_folders import text_recipe_for_folder, tokenizer_libraries
 from featbake.encode.loaders import load_encoder
 from featbake.encode.outputs import encode_batch, encode_padded
 from featbake.encode.sources import TextSource
 from featbake.encode.texts import TextRows
-from featbake.errors import CacheMiss, ConfigError, SourceError
+from featbake.errors import CacheMiss, ConfigError, EncoderLoadError, SourceError
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from tests.conftest import invoke
@@ -144,7 +144,7 @@ BERTWEET_MERGES = ["t h", "th e</w>", "c a", "ca t</w>", "d o", "do g</w>"]
 BERTWEET_TEXT = "the cat the dog"
 
 
-def save_bertweet(folder: Path, *, normalization: bool = False) -> Path:
+def save_bertweet(folder: Path, *, normalization: bool = False, positions: int = 130) -> Path:
     """A RoBERTa with BERTweet's tokenizer, whose files are ``vocab.txt`` and ``bpe.codes``
     (neither ``tokenizer.json`` nor ``merges.txt``): letters, end-of-word letters, a few words."""
     folder.mkdir(parents=True)
@@ -159,7 +159,8 @@ def save_bertweet(folder: Path, *, normalization: bool = False) -> Path:
     torch.manual_seed(3)
     config = transformers.RobertaConfig(
         vocab_size=len(tokenizer) + 2, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=130, pad_token_id=tokenizer.pad_token_id,
+        intermediate_size=64, max_position_embeddings=positions,
+        pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
     transformers.RobertaModel(config).eval().save_pretrained(folder)
     return folder
@@ -872,3 +873,105 @@ def test_a_text_column_no_row_holds_is_one_error_before_any_work(tmp_path: Path)
     tsv.write_text("id\tcaption\n" + "".join(f"c{i}\t{t}\n" for i, t in enumerate(TEXTS)))
     with pytest.raises(SourceError, match=r"no column 'text' in any row \(columns: id, caption\)"):
         TextRows(str(tsv)).scan([".txt"])  # the default column: text
+
+
+def test_a_roberta_text_is_cut_where_its_positions_end_not_two_past(tmp_path: Path) -> None:
+    """RoBERTa's positions start past its padding id: a table of ``max_position_embeddings``
+    rows holds ``pad_token_id + 1`` fewer tokens (514 rows: 512). Taken whole, every text
+    longer than the tokens it holds failed at the table's end (exit 3) instead of being cut,
+    where the tokenizer states no limit of its own (BERTweet's; some Hub tokenizers). It is
+    cut to what the model holds now, served equal to transformers; a larger --max-tokens is
+    one line before any work."""
+    folder = save_bertweet(tmp_path / "roberta", positions=14)  # pad 1: 12 tokens
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "long.txt").write_text(" ".join([BERTWEET_TEXT] * 5), encoding="utf-8")
+    (texts / "short.txt").write_text(BERTWEET_TEXT, encoding="utf-8")
+    report = build(texts, folder, cache=tmp_path / "store", workers=0)
+    assert report.encoded == 2 and not report.failed, report.failed
+    ds = CachedFeatureDataset(
+        texts, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
+    )
+    assert ds.recipe.text is not None and ds.recipe.text.max_length == 12
+    assert_served_equal(ds, TextModel(folder, "roberta", 12))
+    with pytest.raises(ConfigError, match="past the 12 tokens"):
+        text_recipe_for_folder(folder, max_length=13)
+
+
+def test_a_text_folder_whose_vocabulary_file_is_missing_is_refused(tmp_path: Path) -> None:
+    """Without ``vocab.txt`` (or ``tokenizer.json``), transformers builds a tokenizer of the
+    special tokens alone from ``tokenizer_config.json``, without a word: every text was stored
+    as ``[CLS] [UNK] ... [SEP]`` (exit 0). Refused in one line naming what is missing."""
+    folder = save_bert(tmp_path / "bert")
+    for name in ("vocab.txt", "tokenizer.json"):
+        (folder / name).unlink(missing_ok=True)
+    with pytest.raises(EncoderLoadError, match=r"holds only its \d+ special tokens"):
+        text_recipe_for_folder(folder)
+
+
+def save_byte_level_roberta(folder: Path) -> Path:
+    """A RoBERTa with a byte-level BPE tokenizer trained here (RoBERTa's and GPT-2's kind,
+    which keeps every byte of a text, a ``\\r`` included)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    bpe.train_from_iterator(TEXTS * 3, vocab_size=320, min_frequency=1, special_tokens=specials)
+    folder.mkdir(parents=True)
+    bpe.save_model(str(folder))
+    tokenizer = transformers.RobertaTokenizerFast.from_pretrained(str(folder))
+    assert len(tokenizer) > len(specials)  # its vocabulary read (vocab.json, merges.txt)
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(5)
+    config = transformers.RobertaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=66, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    transformers.RobertaModel(config).eval().save_pretrained(folder)
+    return folder
+
+
+def test_a_crlf_text_file_is_read_as_the_users_loader_reads_it(tmp_path: Path) -> None:
+    """``open(path).read()`` and ``Path.read_text`` give a caption file written with CRLF
+    with ``\\n`` newlines; featbake tokenised its ``\\r`` too, and a byte-level tokenizer
+    (RoBERTa's) gave more tokens: the features were not those of the user's loader and
+    model. Newlines are read as Python's text mode reads them, and the text recipe's version
+    moved with it (stores built before have other keys)."""
+    folder = save_byte_level_roberta(tmp_path / "roberta")
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "crlf.txt").write_bytes(b"the cat sat\r\non the mat\r\n")
+    (texts / "cr.txt").write_bytes(b"a big red dog\rran")
+    report = build(texts, folder, cache=tmp_path / "store", workers=0)
+    assert report.encoded == 2 and not report.failed, report.failed
+    ds = CachedFeatureDataset(
+        texts, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
+    )
+    assert_served_equal(ds, TextModel(folder, "roberta", 64))
+
+
+@pytest.mark.parametrize("layout", ["string_view", "dictionary"])
+def test_a_string_view_or_dictionary_text_column_is_text(
+    models: dict[str, TextModel], tmp_path: Path, layout: str
+) -> None:
+    """A ``string_view`` column (pyarrow 16 on; DuckDB and Polars write them) and a
+    dictionary of strings (pandas' ``category``) were refused as "no column holds text",
+    ``--column`` or not. Both are read as the strings they hold, served equal to
+    transformers run now on each."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    plain = pa.array(TEXTS, pa.string())
+    column = plain.dictionary_encode() if layout == "dictionary" else plain.cast(pa.string_view())
+    parquet = tmp_path / "captions.parquet"
+    pq.write_table(pa.table({"text": column}), parquet)
+    bert = models["bert"]
+    recipe = Recipe(source="text")
+    report = build(parquet, bert.folder, cache=tmp_path / "store", recipe=recipe, column="text")
+    assert report.encoded == len(TEXTS) and not report.failed, report.failed
+    ds = CachedFeatureDataset(
+        parquet, bert.folder, cache=tmp_path / "store", source="text", column="text",
+        on_miss="error",
+    )  # fmt: skip
+    for i, text in enumerate(TEXTS):
+        want = transformers_outputs(bert, text)
+        for part, value in want.parts.items():
+            assert rel_error(ds[i][part], value) < TOLERANCE, (text, part)
