@@ -743,8 +743,7 @@ def cell_kind(kind: pa.DataType, text: bool = False) -> CellKind:
     """
     pa = pyarrow_module()
     if text:
-        is_text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
-        return CellKind.TEXT if is_text else CellKind.OTHER
+        return CellKind.TEXT if is_string_type(kind) else CellKind.OTHER
     if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
         return CellKind.BINARY
     if pa.types.is_struct(kind):
@@ -754,6 +753,18 @@ def cell_kind(kind: pa.DataType, text: bool = False) -> CellKind:
             if pa.types.is_binary(inner) or pa.types.is_large_binary(inner):
                 return CellKind.STRUCT
     return CellKind.OTHER
+
+
+def is_string_type(kind: pa.DataType) -> bool:
+    """Whether cells of type ``kind`` are read as Python strings: ``string``,
+    ``large_string``, ``string_view`` (pyarrow 16 and later, what DuckDB and Polars write), or
+    a dictionary of strings (what pandas writes for a ``category`` column); the last two were
+    refused as "no column holds text", ``--column`` or not."""
+    t = pyarrow_module().types
+    if t.is_dictionary(kind):
+        return is_string_type(kind.value_type)
+    view = getattr(t, "is_string_view", None)
+    return t.is_string(kind) or t.is_large_string(kind) or bool(view and view(kind))
 
 
 def stored_cell_kind(kind: pa.DataType) -> CellKind:
@@ -1208,7 +1219,7 @@ def value_family(kind: pa.DataType) -> str | None:
     width or offsets only share them (pure): ``str``, ``bytes``, ``int``, ``float``; None for
     any other type (compared as itself)."""
     t = pyarrow_module().types
-    if t.is_string(kind) or t.is_large_string(kind):
+    if is_string_type(kind):
         return "str"
     if t.is_binary(kind) or t.is_large_binary(kind):
         return "bytes"
