@@ -54,8 +54,7 @@ def stored_dtypes() -> dict[str, torch.dtype]:
 
 SOURCE_KINDS = ("audio", "npy", "image", "text")
 #: Bump when featbake's text decoding or tokenising changes ids for the same text recipe.
-#: 2: newlines read as Python's text mode reads them (``\r\n`` and ``\r`` as ``\n``).
-TEXT_VERSION = 2
+TEXT_VERSION = 1
 #: The highest rate audio hardware records (Hz); above it a typo allocates gigabytes per clip.
 MAX_SAMPLE_RATE = 768_000
 #: Autocast precisions for the encoder call (``fp32``: no autocast).

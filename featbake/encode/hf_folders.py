@@ -284,6 +284,13 @@ def refuse_an_empty_vocabulary(tokenizer: Any, folder: str | os.PathLike[str]) -
     Raises:
         EncoderLoadError: one line naming the folder and what to save beside the model.
     """
+    names = sorted(set((getattr(type(tokenizer), "vocab_files_names", None) or {}).values()))
+    if names and not any((Path(folder) / n).is_file() for n in names):
+        raise EncoderLoadError(
+            f"the tokenizer in {folder} ({type(tokenizer).__name__}) has none of its "
+            f"vocabulary files ({', '.join(names)}): transformers built it of its special "
+            "tokens alone; save the tokenizer beside the model again (tokenizer.save_pretrained)"
+        )
     specials = set(getattr(tokenizer, "all_special_tokens", ()) or ())
     try:
         words = [t for t in tokenizer.get_vocab() if t not in specials]
@@ -327,7 +334,8 @@ def text_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> Te
         folder=str(path),
     )
     asked = changes.get("max_length")
-    if positions > 0 and isinstance(asked, int) and asked > positions:
+    table = absolute_positions(tower_config(read_config(path)))
+    if table and positions > 0 and isinstance(asked, int) and asked > positions:
         raise ConfigError(
             f"--max-tokens {asked} is past the {positions} tokens the model in {folder} has "
             f"positions for; give at most {positions}"
@@ -344,6 +352,23 @@ PADDING_OFFSET_POSITIONS = frozenset(
         "data2vec-text", "esm", "ibert", "roberta-prelayernorm", "markuplm", "luke", "xmod",
     }
 )  # fmt: skip
+
+
+def absolute_positions(config: Mapping[str, Any]) -> bool:
+    """Whether the model adds a learned table of absolute positions to its inputs, whose end
+    no text may pass (BERT's, RoBERTa's, CLIP's): not a relative or rotary scheme
+    (``position_embedding_type``), nor DeBERTa's relative attention without position-biased
+    input, which run any length (``max_position_embeddings`` only sizes their buckets).
+
+    Example:
+        >>> absolute_positions({"model_type": "bert"}), absolute_positions(
+        ...     {"model_type": "deberta-v2", "relative_attention": True,
+        ...      "position_biased_input": False})
+        (True, False)
+    """
+    if config.get("position_embedding_type", "absolute") not in (None, "absolute"):
+        return False
+    return not (config.get("relative_attention") and not config.get("position_biased_input", True))
 
 
 def token_positions(config: Mapping[str, Any]) -> int:

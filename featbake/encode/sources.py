@@ -357,9 +357,8 @@ class NpySource:
 class TextSource(ProcessLocalState):
     """UTF-8 texts -> int64 token ids ``[N]``, by the recipe's tokenizer.
 
-    The text is the file's (or cell's) bytes decoded as UTF-8, newlines read as Python's text
-    mode reads them (:func:`decoded_text`): the key hashes those bytes, so what is tokenised is
-    exactly what the key was made from. The tokenizer is loaded
+    The text is the file's (or cell's) bytes decoded as UTF-8, as they are: the key hashes those
+    bytes, so what is tokenised is exactly what the key was made from. The tokenizer is loaded
     when the source is made (a missing or changed one is said once, not per text), again on
     first use in each worker (forked or pickled), and called under a lock: a Rust tokenizer's
     truncation settings are per call but shared state, and two threads setting them at once
@@ -430,22 +429,18 @@ class TextSource(ProcessLocalState):
 
 
 def decoded_text(raw: bytes, name: str | os.PathLike[str]) -> str:
-    r"""``raw`` as UTF-8 text, its newlines as Python's text mode reads them (``\r\n`` and a
-    lone ``\r`` as ``\n``: what ``open(path).read()`` and ``Path.read_text`` give a training
-    loop), refused in one line when it is not UTF-8 or holds no text. Before, a caption file
-    written with CRLF was tokenised with its ``\r``: a byte-level BPE tokenizer (RoBERTa's)
-    gave two more tokens, features other than the user's loader's. The same for a file, a
-    tar member or a cell: a key names the bytes, whatever holds them.
+    r"""``raw`` as UTF-8 text, refused in one line when it is not UTF-8 or holds no text.
+
+    Its newlines as they are, in a file, a tar member or a cell alike: a key names the bytes,
+    whatever holds them, and a cell's or a tar member's loader keeps a ``\r`` (a ``.txt``
+    read with ``open(path).read()`` gives ``\n`` for ``\r\n``: convert CRLF files, such as
+    with ``dos2unix``, where a byte-level tokenizer would see the difference).
 
     Raises:
         SourceError: invalid UTF-8 (the offset named), or empty / only whitespace.
-
-    Example:
-        >>> decoded_text(b"the cat\r\non the mat\r", "a.txt")
-        'the cat\non the mat\n'
     """
     try:
-        text = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise SourceError(
             f"{name}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "

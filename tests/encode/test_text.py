@@ -898,15 +898,37 @@ def test_a_roberta_text_is_cut_where_its_positions_end_not_two_past(tmp_path: Pa
         text_recipe_for_folder(folder, max_length=13)
 
 
-def test_a_text_folder_whose_vocabulary_file_is_missing_is_refused(tmp_path: Path) -> None:
-    """Without ``vocab.txt`` (or ``tokenizer.json``), transformers builds a tokenizer of the
-    special tokens alone from ``tokenizer_config.json``, without a word: every text was stored
-    as ``[CLS] [UNK] ... [SEP]`` (exit 0). Refused in one line naming what is missing."""
-    folder = save_bert(tmp_path / "bert")
-    for name in ("vocab.txt", "tokenizer.json"):
+@pytest.mark.parametrize("kind", ["bert", "t5"])
+def test_a_text_folder_whose_vocabulary_file_is_missing_is_refused(
+    tmp_path: Path, kind: str
+) -> None:
+    """Without ``vocab.txt`` (T5: ``spiece.model``) and ``tokenizer.json``, transformers builds
+    a tokenizer of the special tokens alone from ``tokenizer_config.json`` (T5's with ``▁``
+    too), without a word: every text was stored as ``[CLS] [UNK] ... [SEP]`` (exit 0).
+    Refused in one line naming the files its class reads."""
+    folder = (save_bert if kind == "bert" else save_t5)(tmp_path / kind)
+    for name in ("vocab.txt", "spiece.model", "tokenizer.json"):
         (folder / name).unlink(missing_ok=True)
-    with pytest.raises(EncoderLoadError, match=r"holds only its \d+ special tokens"):
+    with pytest.raises(EncoderLoadError, match="has none of its vocabulary files"):
         text_recipe_for_folder(folder)
+
+
+def test_max_tokens_past_the_positions_is_refused_only_where_a_table_ends(
+    tmp_path: Path,
+) -> None:
+    """A ``--max-tokens`` past an absolute position table is one line before any work; a
+    model of relative positions (DeBERTa-v3's layout: ``relative_attention`` without
+    ``position_biased_input``), whose ``max_position_embeddings`` only sizes its buckets,
+    runs any length, and the option is taken, as it was before the refusal."""
+    import json
+
+    folder = save_bert(tmp_path / "bert")  # 64 positions
+    with pytest.raises(ConfigError, match="past the 64 tokens"):
+        text_recipe_for_folder(folder, max_length=100)
+    config = json.loads((folder / "config.json").read_text())
+    relative = {"relative_attention": True, "position_biased_input": False}
+    (folder / "config.json").write_text(json.dumps({**config, **relative}))
+    assert text_recipe_for_folder(folder, max_length=100).max_length == 100
 
 
 def save_byte_level_roberta(folder: Path) -> Path:
@@ -930,23 +952,38 @@ def save_byte_level_roberta(folder: Path) -> Path:
     return folder
 
 
-def test_a_crlf_text_file_is_read_as_the_users_loader_reads_it(tmp_path: Path) -> None:
-    """``open(path).read()`` and ``Path.read_text`` give a caption file written with CRLF
-    with ``\\n`` newlines; featbake tokenised its ``\\r`` too, and a byte-level tokenizer
-    (RoBERTa's) gave more tokens: the features were not those of the user's loader and
-    model. Newlines are read as Python's text mode reads them, and the text recipe's version
-    moved with it (stores built before have other keys)."""
+def test_a_crlf_text_is_tokenised_as_its_bytes_in_a_file_and_a_cell_alike(
+    tmp_path: Path,
+) -> None:
+    """A text's key names its bytes, whatever holds them: a carriage return is tokenised as it
+    is in a ``.txt`` file and in a parquet cell alike (a cell's loader, pyarrow or
+    ``datasets``, keeps it), so the two share a key and its features, equal to transformers
+    run on the decoded bytes. (Translating newlines in files alone, as ``open(path).read()``
+    does, gave one key two meanings; the README says to convert CRLF files.)"""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
     folder = save_byte_level_roberta(tmp_path / "roberta")
+    model = TextModel(folder, "roberta", 64)
+    raw = [b"the cat sat\r\non the mat\r\n", b"a big red dog\rran"]
     texts = tmp_path / "texts"
     texts.mkdir()
-    (texts / "crlf.txt").write_bytes(b"the cat sat\r\non the mat\r\n")
-    (texts / "cr.txt").write_bytes(b"a big red dog\rran")
+    for i, data in enumerate(raw):
+        (texts / f"t{i}.txt").write_bytes(data)
     report = build(texts, folder, cache=tmp_path / "store", workers=0)
     assert report.encoded == 2 and not report.failed, report.failed
+    parquet = tmp_path / "cells.parquet"
+    pq.write_table(pa.table({"text": [d.decode("utf-8") for d in raw]}), parquet)
+    cells = build(parquet, folder, cache=tmp_path / "store", recipe=Recipe(source="text"),
+                  column="text")  # fmt: skip
+    assert (cells.encoded, cells.reused) == (0, 2)  # the same bytes: the same keys
     ds = CachedFeatureDataset(
-        texts, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
+        parquet, folder, cache=tmp_path / "store", source="text", column="text", on_miss="error"
     )
-    assert_served_equal(ds, TextModel(folder, "roberta", 64))
+    for i, data in enumerate(raw):
+        want = transformers_outputs(model, data.decode("utf-8"))
+        assert ds[i]["tokens"].shape[0] == len(want.ids)
+        for part, value in want.parts.items():
+            assert rel_error(ds[i][part], value) < TOLERANCE, (data, part)
 
 
 @pytest.mark.parametrize("layout", ["string_view", "dictionary"])
