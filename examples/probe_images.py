@@ -68,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--work", type=Path, default=Path("probe_images_work"))
+    parser.add_argument("--work", type=Path, default=Path(__file__).parent / "probe_images_work")
     args = parser.parse_args()
     images, store = args.work / "images", args.work / "store"
     if not images.exists():

@@ -44,7 +44,7 @@ def counting_open(real):  # type: ignore[no-untyped-def]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=16)
-    parser.add_argument("--work", type=Path, default=Path("readme_vision_work"))
+    parser.add_argument("--work", type=Path, default=Path(__file__).parent / "readme_vision_work")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     os.chdir(args.work)  # the README's relative paths: ./images, ./dinov2-small, ./.featbake
