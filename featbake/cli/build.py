@@ -521,9 +521,10 @@ def _report(reports: list[Any], as_json: bool) -> None:
 #: table without bytes). The advice names the options that change each.
 POINTS_AT = {
     FailureCause.ENCODER: (
-        "That points at the encoder or the options (--mono/--no-mono, --sample-rate, "
-        "--max-seconds, --source, --output, --layers), not at the inputs: check them against "
-        "what the encoder expects and rerun"
+        "That points at the encoder or the options (--source, --output, --layers; for audio "
+        "--mono/--no-mono, --sample-rate, --max-seconds; for images --resize, --crop; for "
+        "texts --max-tokens), not at the inputs: check them against what the encoder expects "
+        "and rerun"
     ),
     FailureCause.DATA: (
         "That points at the data, not at the encoder: fix the inputs (the rows, files or "
@@ -541,6 +542,15 @@ def incomplete(report: BuildReport, where: str = "listed above") -> BuildIncompl
     if common is not None and cause is not None:
         return BuildIncomplete(
             f"every input ({report.files}) failed the same way: {common}. {POINTS_AT[cause]}"
+        )
+    if cause is not None and len(report.failed) >= 2 and len(report.failed) >= report.files:
+        # In ways that differ by more than numbers (an output of another shape for some
+        # lengths), yet each in the same place: still not the inputs' fault, one by one.
+        rel, reason = report.failed[0]
+        first = reason.removeprefix(f"{rel}: ")
+        return BuildIncomplete(
+            f"every input ({report.files}) failed, each in the {cause.value} (the first: "
+            f"{first}). {POINTS_AT[cause]}"
         )
     return BuildIncomplete(
         f"{len(report.failed)} of {report.files} inputs failed ({where}); "

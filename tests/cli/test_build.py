@@ -1241,3 +1241,33 @@ def test_an_option_that_does_nothing_in_the_build_is_noted(
     assert len(notes) == 2 and "--max-error" in notes[0] and "--batch-seconds" in notes[1], notes
     r = invoke(*args, "--dtype", "int8", "--max-error", "0.01")
     assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
+
+
+class _FailsByParity(torch.nn.Module):
+    """An encoder that fails on every input, in words that differ by the input's length."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] % 2 == 0:
+            raise RuntimeError("this encoder takes no even length")
+        raise RuntimeError("this encoder takes no odd length either")
+
+
+def test_every_input_failing_in_the_encoder_in_other_words_still_points_at_it(
+    tmp_path: Path,
+) -> None:
+    """Every input failed in the encoder, but in words that differ by more than numbers (an
+    output of another shape for some lengths): the build told the user to fix or remove the
+    inputs. It points at the encoder, naming the first failure."""
+    import soundfile as sf
+
+    data = tmp_path / "audio"
+    data.mkdir()
+    for i, n in enumerate([16000, 16001, 16002]):
+        sf.write(data / f"c{i}.wav", torch.zeros(n).numpy(), 16000)
+    encoder = tmp_path / "fails.pt"
+    torch.jit.script(_FailsByParity()).save(str(encoder))
+    res = invoke("build", "-e", encoder, "-d", data, "--cache", tmp_path / "c")
+    assert res.returncode == 3, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: every input (3) failed, each in the encoder (the first: "), last
+    assert "not at the inputs" in last and "Fix or remove them" not in res.stderr
