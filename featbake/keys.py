@@ -459,19 +459,72 @@ _ITEM_SETS = [
 
 def records_into(ins: list[Any], i: int) -> bool:
     """Whether the value loaded at ``ins[i]`` is recorded into in place: a recording method
-    called on it (``append``, ``extend``, ``add``, ...), an attribute of it set
-    (``self.monitor.last = v``: a debug value kept in an object of the module's), an item of
-    it set under a key loaded as it is (``x["out"] = v``, the forum's ``activation[name] =
-    v``), or an item of it bumped (``x[k] += v``: load, key, ``COPY``, ``COPY``,
-    ``BINARY_SUBSCR``)."""
+    called on it (``append``, ``extend``, ``add``, ...), an item of it set under a key loaded
+    as it is (``x["out"] = v``, the forum's ``activation[name] = v``), or an item of it bumped
+    (``x[k] += v``: load, key, ``COPY``, ``COPY``, ``BINARY_SUBSCR``)."""
     after = ins[i + 1 : i + 5]
     if after and after[0].opname in _ATTRIBUTE_LOADS and after[0].argval in RECORDING_METHODS:
         return True
-    if after and after[0].opname == "STORE_ATTR":
-        return True  # self.monitor.last = v: the value was computed before the load
     if [o.opname for o in after[:2]] in _ITEM_SETS:
         return True  # x["out"] = v, x[name] = v: an item set under a key loaded as it is
     return [o.opname for o in after[1:4]] == ["COPY", "COPY", "BINARY_SUBSCR"]
+
+
+def written_below(cls: type) -> dict[str, frozenset[str]]:
+    """For each attribute ``a`` of a module class, the names its forward (and the code it
+    reaches: :func:`forward_code`) sets on an object held under it: ``self.a.b = v``,
+    ``self.a[0].b = v``, ``self.a.c.b = v`` each name ``b`` under ``a``. Those are the
+    forward's own writes (a debug value kept on a monitor object), derived state: left out
+    where the object is read by value (:func:`~featbake.encode.identity.held_attribute_text`),
+    where the rest of it (``self.a.scale``, set by the user) stays keyed. Kept per class.
+
+    Example:
+        >>> class Kept:
+        ...     def forward(self, x):
+        ...         self.monitor.last = x
+        ...         self.stats[0].mean = x
+        ...         return x * self.cfg.scale
+        >>> written_below(Kept)
+        {'monitor': frozenset({'last'}), 'stats': frozenset({'mean'})}
+    """
+    kept = _WRITTEN_BELOW.get(cls)
+    if kept is not None:
+        return kept
+    found: dict[str, set[str]] = collections.defaultdict(set)
+    for code in forward_code(cls):
+        ins = list(dis.get_instructions(code))
+        for i, op in enumerate(ins):
+            if op.opname == "STORE_ATTR":
+                top = _held_below_self(ins, i)
+                if top is not None:
+                    found[top].add(op.argval)
+    _WRITTEN_BELOW[cls] = {a: frozenset(names) for a, names in found.items()}
+    return _WRITTEN_BELOW[cls]
+
+
+def _held_below_self(ins: list[Any], store: int) -> str | None:
+    """The attribute ``a`` of ``self`` whose held object the ``STORE_ATTR`` at ``ins[store]``
+    sets a name on (``self.a.b = v``, through further attributes and constant subscripts),
+    None where its object is ``self`` itself or anything else."""
+    j, chain = store - 1, []
+    while j >= 0:
+        op = ins[j]
+        if op.opname in _ATTRIBUTE_LOADS:
+            chain.append(op.argval)
+        elif op.opname == "BINARY_SUBSCR" and j >= 1 and ins[j - 1].opname == "LOAD_CONST":
+            j -= 1  # a constant index: self.a[0].b
+        elif op.opname in ("LOAD_FAST", "LOAD_DEREF") and op.argval == "self":
+            return chain[-1] if chain else None
+        else:
+            return None
+        j -= 1
+    return None
+
+
+#: written_below's, by class (weakly, as _DERIVED).
+_WRITTEN_BELOW: weakref.WeakKeyDictionary[type, dict[str, frozenset[str]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def forward_code(cls: type) -> list[Any]:

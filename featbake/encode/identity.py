@@ -57,6 +57,7 @@ from featbake.keys import (
     state_dict_fingerprint,
     tensor_attributes,
     unwrapped,
+    written_below,
 )
 from featbake.keys import keyed_attribute as keyed_attribute
 
@@ -136,7 +137,8 @@ def attribute_row(
     if _primitive(value):
         return [name, key, repr(value)]
     if (reads_held or model_config(value)) and held_attribute(key, value, derived):
-        text = held_attribute_text(sub, value, exact=True)
+        below = written_below(type(sub)).get(key, frozenset())
+        text = held_attribute_text(sub, value, exact=True, written=below)
         return None if text is None else [name, key, text]
     return None
 
@@ -207,7 +209,9 @@ def held_attribute(key: str, value: Any, derived: frozenset[str]) -> bool:
 _READ_OTHERWISE = (torch.Tensor, torch.nn.Module, type, types.ModuleType)
 
 
-def held_attribute_text(module: Any, value: Any, *, exact: bool) -> str | None:
+def held_attribute_text(
+    module: Any, value: Any, *, exact: bool, written: frozenset[str] = frozenset()
+) -> str | None:
     """An attribute value of ``module`` as a key reads it: by the one rule for a hook's held
     value (:class:`HeldReading`: a dict by its items, a function by its code, cells and
     defaults, a partial by its function and arguments, a bound method by its function and
@@ -220,7 +224,9 @@ def held_attribute_text(module: Any, value: Any, *, exact: bool) -> str | None:
     as a watch reads it at each forward: an array of up to :data:`WATCHED_ARRAY_BYTES`
     hashed anew too (it keeps no version, so an edit in place shows only in its bytes), a
     larger one kept while its stamp holds, as a hook's global array is (an edit in place is
-    seen at the next exact check).
+    seen at the next exact check). ``written``: the names the module's forward sets on objects
+    held under this attribute (:func:`~featbake.keys.written_below`), left out: derived state
+    (a tensor a forward keeps on a monitor object would change the key at every run).
 
     Example:
         >>> import functools
@@ -238,7 +244,7 @@ def held_attribute_text(module: Any, value: Any, *, exact: bool) -> str | None:
     # A plain list, tuple or dict holding tensors is keyed as buffers are (tensor_attributes)
     # and never read here (held_attribute); a tensor inside anything else, at any depth (a
     # namespace in a list), by its values.
-    reading = HeldReading(_TreeIds(module), exact=exact, tensors=True)
+    reading = HeldReading(_TreeIds(module), exact=exact, tensors=True, written=written)
     text = reading.text(value)
     return None if reading.refused else f"held:{text}"
 
@@ -482,11 +488,16 @@ class HeldReading:
     object of its holding global CMVN statistics changes its outputs as a buffer does."""
 
     def __init__(
-        self, own: Container[int] = frozenset(), exact: bool = False, tensors: bool = False
+        self,
+        own: Container[int] = frozenset(),
+        exact: bool = False,
+        tensors: bool = False,
+        written: frozenset[str] = frozenset(),
     ) -> None:
         self.own = own
         self.exact = exact
         self.tensors = tensors
+        self.written = written  # names a module's forward sets on the objects read here
         self.refused: list[str] = []
         self._path: set[int] = set()
         self._count = 0
@@ -767,6 +778,8 @@ class HeldReading:
         rows = []
         cached = cached_names(type(value))
         for f in fields:
+            if f in self.written:
+                continue  # the module's forward sets it: derived state
             if f in held and f not in cached:
                 rows.append(f"{f}={self.text(held[f], f, depth)}")
                 continue
@@ -876,6 +889,7 @@ class HeldReading:
         cls = type(obj)
         own = bookkeeping_names(code, ATTRIBUTE_WRITES, cls) if code is not None else frozenset()
         own |= cached_names(cls)  # made from the rest by code the key reads
+        own |= self.written  # the module's forward sets them: derived state
         held = dict(instance_attributes(obj))
         methods = reached_methods(runs, cls) if inspect.isfunction(runs) else ()
         codes = [f.__code__ for f in methods]

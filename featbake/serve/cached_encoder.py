@@ -79,6 +79,7 @@ from featbake.keys import (
     module_fingerprint,
     public_attributes,
     recipe_fingerprint,
+    written_below,
 )
 from featbake.lru import ByteLRU, CacheInfo
 from featbake.process import ProcessLocal, ProcessLocalState
@@ -344,12 +345,13 @@ def _held_attributes(
     keys = [k for k in public if reads_held or model_config(attrs[k])]
     if not keys:
         return ()
-    derived = module_derived(sub)
+    derived, below = module_derived(sub), written_below(type(sub))
     return tuple(
         k
         for k in keys
         if held_attribute(k, attrs[k], derived)
-        and held_attribute_text(sub, attrs[k], exact=False) is not None
+        and held_attribute_text(sub, attrs[k], exact=False, written=below.get(k, frozenset()))
+        is not None
     )
 
 
@@ -517,7 +519,14 @@ def take_glance(plan: GlancePlan) -> Glance | None:
             if pick is not None:
                 values.extend(pick(attrs)) if look.many else values.append(pick(attrs))
             texts += [_in_place_text(attrs[k]) for k in listy]
-            texts += [held_attribute_text(sub, attrs[k], exact=False) for k in look.held]
+            if look.held:
+                below = written_below(type(sub))
+                texts += [
+                    held_attribute_text(
+                        sub, attrs[k], exact=False, written=below.get(k, frozenset())
+                    )
+                    for k in look.held
+                ]
             for d in dicts:
                 extend(d)
                 extend(d.values())

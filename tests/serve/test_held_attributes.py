@@ -128,6 +128,14 @@ class _HeldStatistics(TinyConvEncoder):
         return super().forward(wav) * self.stats.std
 
 
+class _NotesThenScales(_NamespaceSettings):
+    """Sets a value of its own on the settings its base class's forward reads them from."""
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        self.cfg.last = wav.detach().mean()
+        return super().forward(wav)
+
+
 CHANGES = {
     "dict-edited": (_DictSettings, lambda m: m.cfg.__setitem__("scale", 3.0)),
     "dict-replaced": (_DictSettings, lambda m: setattr(m, "cfg", {"scale": 3.0, "names": ["a"]})),
@@ -153,6 +161,12 @@ CHANGES = {
     "object-in-a-list-tensor-replaced": (
         functools.partial(_HeldStatistics, "list"),
         lambda m: setattr(m.stats, "std", torch.tensor(0.5)),
+    ),
+    # A subclass sets a value on the namespace its base reads ``scale`` from: only ``last``
+    # is the forward's own (the first form of r23.3's second review made all of ``cfg`` so).
+    "namespace-a-subclass-writes-into-edited": (
+        _NotesThenScales,
+        lambda m: setattr(m.cfg, "scale", 3.0),
     ),
     "namespace-in-a-dict-tensor-edited": (
         functools.partial(_HeldStatistics, "dict"),
@@ -249,14 +263,29 @@ class _KeepsADebugValue(TinyConvEncoder):
         return out
 
 
+class _KeepsDebugValuesInAList(TinyConvEncoder):
+    """The same, on an object held in a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.monitors = [_Statistics()]
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        out = super().forward(wav)
+        self.monitors[0].std = out.detach().pow(2).mean()
+        return out
+
+
+@pytest.mark.parametrize("cls", [_KeepsADebugValue, _KeepsDebugValuesInAList])
 def test_a_tensor_the_forward_sets_on_an_object_of_its_own_stays_out_of_the_key(
-    tmp_path: Path, audio_dir: Path
+    tmp_path: Path, audio_dir: Path, cls: type
 ) -> None:
     """r23.3's first form read a held object's tensors by value, this one's too: each forward
     changed the key, so a dataset made after a run missed every item (``on_miss="error"``
-    raised; by default each was encoded again under new keys). An attribute the forward sets
-    on an object of the module's (``self.monitor.x = v``) is recorded into: derived state."""
-    module = frozen(_KeepsADebugValue())
+    raised; by default each was encoded again under new keys). A name the forward sets on an
+    object held under an attribute (``self.monitor.x = v``, ``self.monitors[0].x = v``) is
+    derived state (``written_below``), left out; the rest of that object stays keyed."""
+    module = frozen(cls())
     before = attribute_identity(module)
     with torch.inference_mode():
         module(waves(1))
