@@ -285,7 +285,10 @@ def refuse_an_empty_vocabulary(tokenizer: Any, folder: str | os.PathLike[str]) -
         EncoderLoadError: one line naming the folder and what to save beside the model.
     """
     names = sorted(set((getattr(type(tokenizer), "vocab_files_names", None) or {}).values()))
-    if names and not any((Path(folder) / n).is_file() for n in names):
+    # tokenizer.json holds a whole vocabulary whatever the class names (transformers 5 saves a
+    # GPT-2 tokenizer as tokenizer.json alone, its class naming vocab.json and merges.txt).
+    held = [*names, "tokenizer.json"]
+    if names and not any((Path(folder) / n).is_file() for n in held):
         raise EncoderLoadError(
             f"the tokenizer in {folder} ({type(tokenizer).__name__}) has none of its "
             f"vocabulary files ({', '.join(names)}): transformers built it of its special "
@@ -355,10 +358,11 @@ PADDING_OFFSET_POSITIONS = frozenset(
 
 
 def absolute_positions(config: Mapping[str, Any]) -> bool:
-    """Whether the model adds a learned table of absolute positions to its inputs, whose end
-    no text may pass (BERT's, RoBERTa's, CLIP's): not a relative or rotary scheme
-    (``position_embedding_type``), nor DeBERTa's relative attention without position-biased
-    input, which run any length (``max_position_embeddings`` only sizes their buckets).
+    """Whether the model has a table of positions whose end no text may pass (BERT's,
+    RoBERTa's, CLIP's; BERT's ``relative_key`` too, whose distance table is sized by it and
+    whose transformers 5 embeddings add the absolute one still): not a rotary scheme (ESM-2),
+    nor DeBERTa's relative attention without position-biased input, which run any length
+    (``max_position_embeddings`` only sizes their buckets).
 
     Example:
         >>> absolute_positions({"model_type": "bert"}), absolute_positions(
@@ -366,8 +370,8 @@ def absolute_positions(config: Mapping[str, Any]) -> bool:
         ...      "position_biased_input": False})
         (True, False)
     """
-    if config.get("position_embedding_type", "absolute") not in (None, "absolute"):
-        return False
+    if config.get("position_embedding_type") == "rotary":
+        return False  # ESM-2's: no table (BERT's relative_key still adds its absolute one)
     return not (config.get("relative_attention") and not config.get("position_biased_input", True))
 
 

@@ -913,6 +913,26 @@ def test_a_text_folder_whose_vocabulary_file_is_missing_is_refused(
         text_recipe_for_folder(folder)
 
 
+def test_a_tokenizer_saved_as_tokenizer_json_alone_is_taken(tmp_path: Path) -> None:
+    """transformers 5 saves a GPT-2-style tokenizer as ``tokenizer.json`` alone, where its
+    class names ``vocab.json`` and ``merges.txt``: the vocabulary check's first form refused
+    it, with advice (save it again) that made the same folder. ``tokenizer.json`` holds the
+    whole vocabulary: taken, tokenising as transformers does."""
+    import json
+
+    folder = save_byte_level_roberta(tmp_path / "roberta")
+    for name in ("vocab.json", "merges.txt"):
+        (folder / name).unlink()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "GPT2Tokenizer"  # names no tokenizer.json among its files
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert "tokenizer.json" not in transformers.GPT2Tokenizer.vocab_files_names.values()
+    recipe = text_recipe_for_folder(folder)
+    ids = TextSource(Recipe(source="text", text=recipe)).token_ids("the cat sat", "t")
+    want = transformers.AutoTokenizer.from_pretrained(str(folder))("the cat sat")["input_ids"]
+    assert ids.tolist() == want
+
+
 def test_max_tokens_past_the_positions_is_refused_only_where_a_table_ends(
     tmp_path: Path,
 ) -> None:
@@ -929,6 +949,12 @@ def test_max_tokens_past_the_positions_is_refused_only_where_a_table_ends(
     relative = {"relative_attention": True, "position_biased_input": False}
     (folder / "config.json").write_text(json.dumps({**config, **relative}))
     assert text_recipe_for_folder(folder, max_length=100).max_length == 100
+    # BERT's relative_key still has its tables of 64 (transformers 5 adds the absolute one).
+    (folder / "config.json").write_text(
+        json.dumps({**config, "position_embedding_type": "relative_key"})
+    )
+    with pytest.raises(ConfigError, match="past the 64 tokens"):
+        text_recipe_for_folder(folder, max_length=100)
 
 
 def save_byte_level_roberta(folder: Path) -> Path:
