@@ -513,12 +513,24 @@ def _held_below_self(ins: list[Any], store: int) -> str | None:
             chain.append(op.argval)
         elif op.opname == "BINARY_SUBSCR" and j >= 1 and ins[j - 1].opname == "LOAD_CONST":
             j -= 1  # a constant index: self.a[0].b
-        elif op.opname in ("LOAD_FAST", "LOAD_DEREF") and op.argval == "self":
+        elif _loads_self(op):
             return chain[-1] if chain else None
         else:
             return None
         j -= 1
     return None
+
+
+def _loads_self(op: Any) -> bool:
+    """Whether ``op`` loads ``self`` last: one of :data:`_SELF_LOADS`, or 3.13's join of two
+    loads (``LOAD_FAST_LOAD_FAST ('out', 'self')`` before ``self.a.b = out``)."""
+    if op.opname in _JOINED_SELF_LOADS and isinstance(op.argval, tuple):
+        return op.argval[-1] == "self"
+    return op.opname in _SELF_LOADS and op.argval == "self"
+
+
+#: 3.13's loads of two locals at once (the last one loaded is on top).
+_JOINED_SELF_LOADS = frozenset({"LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"})
 
 
 #: written_below's, by class (weakly, as _DERIVED).

@@ -396,3 +396,29 @@ def test_settings_a_forward_moves_through_a_comprehension_stay_keyed() -> None:
     before = module_fingerprint(module, "x")
     module.gains["a"] = torch.tensor(3.0)
     assert module_fingerprint(module, "x") != before
+
+
+def test_what_a_forward_sets_below_an_attribute_is_found_in_every_pythons_bytecode() -> None:
+    """``self.monitor.last = out`` loads ``out`` and ``self`` in one op on Python 3.13
+    (``LOAD_FAST_LOAD_FAST ('out', 'self')``), where 3.11 and 3.12 load each alone: the walk
+    back from the ``STORE_ATTR`` read only the lone load, so on 3.13 the forward's own write
+    was missed and a monitor object's tensor changed the key at every run. Both forms, as
+    each Python compiles ``self.monitor.last = out`` and ``self.stats[0].mean = out``."""
+    from types import SimpleNamespace as Op
+
+    from featbake.keys import _held_below_self
+
+    def op(name: str, arg: object = None) -> Op:
+        return Op(opname=name, argval=arg)
+
+    for loads in ([op("LOAD_FAST", "out"), op("LOAD_FAST", "self")],
+                  [op("LOAD_FAST_LOAD_FAST", ("out", "self"))]):  # fmt: skip
+        monitor = [*loads, op("LOAD_ATTR", "monitor"), op("STORE_ATTR", "last")]
+        assert _held_below_self(monitor, len(monitor) - 1) == "monitor"
+        stats = [*loads, op("LOAD_ATTR", "stats"), op("LOAD_CONST", 0), op("BINARY_SUBSCR")]
+        stats.append(op("STORE_ATTR", "mean"))
+        assert _held_below_self(stats, len(stats) - 1) == "stats"
+    own = [op("LOAD_FAST_LOAD_FAST", ("out", "self")), op("STORE_ATTR", "last")]
+    assert _held_below_self(own, 1) is None  # self.last = out: the module's own attribute
+    other = [op("LOAD_FAST_LOAD_FAST", ("self", "cfg")), op("STORE_ATTR", "last")]
+    assert _held_below_self(other, 1) is None  # cfg.last = self: not below self
