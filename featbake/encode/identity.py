@@ -137,8 +137,7 @@ def attribute_row(
     if _primitive(value):
         return [name, key, repr(value)]
     if (reads_held or model_config(value)) and held_attribute(key, value, derived):
-        below = written_below(type(sub)).get(key, frozenset())
-        text = held_attribute_text(sub, value, exact=True, written=below)
+        text = held_attribute_text(sub, value, exact=True, key=key)
         return None if text is None else [name, key, text]
     return None
 
@@ -209,9 +208,7 @@ def held_attribute(key: str, value: Any, derived: frozenset[str]) -> bool:
 _READ_OTHERWISE = (torch.Tensor, torch.nn.Module, type, types.ModuleType)
 
 
-def held_attribute_text(
-    module: Any, value: Any, *, exact: bool, written: frozenset[str] = frozenset()
-) -> str | None:
+def held_attribute_text(module: Any, value: Any, *, exact: bool, key: str = "") -> str | None:
     """An attribute value of ``module`` as a key reads it: by the one rule for a hook's held
     value (:class:`HeldReading`: a dict by its items, a function by its code, cells and
     defaults, a partial by its function and arguments, a bound method by its function and
@@ -224,9 +221,9 @@ def held_attribute_text(
     as a watch reads it at each forward: an array of up to :data:`WATCHED_ARRAY_BYTES`
     hashed anew too (it keeps no version, so an edit in place shows only in its bytes), a
     larger one kept while its stamp holds, as a hook's global array is (an edit in place is
-    seen at the next exact check). ``written``: the names the module's forward sets on objects
-    held under this attribute (:func:`~featbake.keys.written_below`), left out: derived state
-    (a tensor a forward keeps on a monitor object would change the key at every run).
+    seen at the next exact check). ``key``: the attribute's name; what the module's forward
+    sets on objects held under it (:func:`~featbake.keys.written_below`) is left out, derived
+    state (a tensor a forward keeps on a monitor object would change the key at every run).
 
     Example:
         >>> import functools
@@ -244,6 +241,7 @@ def held_attribute_text(
     # A plain list, tuple or dict holding tensors is keyed as buffers are (tensor_attributes)
     # and never read here (held_attribute); a tensor inside anything else, at any depth (a
     # namespace in a list), by its values.
+    written = written_below(type(module)).get(key, frozenset()) if key else frozenset()
     reading = HeldReading(_TreeIds(module), exact=exact, tensors=True, written=written)
     text = reading.text(value)
     return None if reading.refused else f"held:{text}"

@@ -79,7 +79,6 @@ from featbake.keys import (
     module_fingerprint,
     public_attributes,
     recipe_fingerprint,
-    written_below,
 )
 from featbake.lru import ByteLRU, CacheInfo
 from featbake.process import ProcessLocal, ProcessLocalState
@@ -345,13 +344,12 @@ def _held_attributes(
     keys = [k for k in public if reads_held or model_config(attrs[k])]
     if not keys:
         return ()
-    derived, below = module_derived(sub), written_below(type(sub))
+    derived = module_derived(sub)
     return tuple(
         k
         for k in keys
         if held_attribute(k, attrs[k], derived)
-        and held_attribute_text(sub, attrs[k], exact=False, written=below.get(k, frozenset()))
-        is not None
+        and held_attribute_text(sub, attrs[k], exact=False, key=k) is not None
     )
 
 
@@ -519,14 +517,7 @@ def take_glance(plan: GlancePlan) -> Glance | None:
             if pick is not None:
                 values.extend(pick(attrs)) if look.many else values.append(pick(attrs))
             texts += [_in_place_text(attrs[k]) for k in listy]
-            if look.held:
-                below = written_below(type(sub))
-                texts += [
-                    held_attribute_text(
-                        sub, attrs[k], exact=False, written=below.get(k, frozenset())
-                    )
-                    for k in look.held
-                ]
+            texts += [held_attribute_text(sub, attrs[k], exact=False, key=k) for k in look.held]
             for d in dicts:
                 extend(d)
                 extend(d.values())
