@@ -998,7 +998,6 @@ class CompactionResult:
     bytes_written: int = 0
     problems: list[str] = field(default_factory=list)
     passed_over: int = 0  # planned shards another gc rewrote or removed since the plan
-    left_alone: int = 0  # planned shards alone in their era, all rows live: the same bytes again
 
     def as_result(self) -> GcResult:
         """Its share of the run's result (the bytes it wrote count against those freed)."""
@@ -1066,7 +1065,6 @@ class Compaction:
             if len(shards) == 1 and self._all_live(shards[0]):
                 # Alone in its era (a replacement waits) with nothing to drop: rewritten, it
                 # would be the same bytes again, at every gc run while the replacement waits.
-                self.out.left_alone += 1
                 continue
             self._group(enc_fp, rec_fp, shards)
             tick("compact", len(self.out.emptied), len(self.plan.compact))
@@ -1087,8 +1085,8 @@ class Compaction:
         times = sorted(set(void.at.values()))
         eras: dict[ShardRow, int] = {}
         for s in self.plan.compact:
-            now = self.catalog.shard_row(s.id)
-            if now is None or now.name != s.name:
+            now = self._still_planned(s)
+            if now is None:
                 self.out.passed_over += 1  # another gc rewrote or removed it: no problem
                 continue
             self._ages[s.id] = void.age_of(now.name, now.created)
@@ -1146,12 +1144,17 @@ class Compaction:
                     writer.add(key, tensors)
                 self.out.emptied.append(s.id)
 
-    def _rows_still_planned(self, shard: ShardRow) -> list[ShardFeature] | None:
-        """The rows pointing into ``shard`` now; None where the catalog no longer has the shard
+    def _still_planned(self, shard: ShardRow) -> ShardRow | None:
+        """The catalog's row of ``shard`` now; None where the catalog no longer has the shard
         the plan named (another gc rewrote or removed it since: its id may even name a newer
         shard by now, ids being reused)."""
         now = self.catalog.shard_row(shard.id)
-        if now is None or now.name != shard.name:
+        return None if now is None or now.name != shard.name else now
+
+    def _rows_still_planned(self, shard: ShardRow) -> list[ShardFeature] | None:
+        """The rows pointing into ``shard`` now; None where the shard is no longer the one the
+        plan named (:meth:`_still_planned`)."""
+        if self._still_planned(shard) is None:
             return None
         return self.catalog.features_of_shard(shard.id)
 
