@@ -206,9 +206,14 @@ def tokenizer_file_names(tokenizer: Any) -> list[str]:
     such a file out of the key: edited, it kept the key, and the store served the old tokens'
     features. Other files of the folder (a README, the weights) are not read by the tokenizer,
     so editing them does not re-key its texts."""
+    return sorted(vocabulary_file_names(tokenizer).union(TOKENIZER_FILES))
+
+
+def vocabulary_file_names(tokenizer: Any) -> set[str]:
+    """The files ``tokenizer``'s class reads its vocabulary from (its ``vocab_files_names``:
+    ``vocab.txt``, ``spiece.model``, BERTweet's ``bpe.codes``), plain names only."""
     own = getattr(tokenizer, "vocab_files_names", None) or {}
-    names = {n for n in own.values() if isinstance(n, str) and n == Path(n).name}
-    return sorted(names.union(TOKENIZER_FILES))
+    return {n for n in own.values() if isinstance(n, str) and n == Path(n).name}
 
 
 #: The libraries whose code tokenises with any Hugging Face tokenizer: transformers' classes
@@ -284,7 +289,7 @@ def refuse_an_empty_vocabulary(tokenizer: Any, folder: str | os.PathLike[str]) -
     Raises:
         EncoderLoadError: one line naming the folder and what to save beside the model.
     """
-    names = sorted(set((getattr(type(tokenizer), "vocab_files_names", None) or {}).values()))
+    names = sorted(vocabulary_file_names(tokenizer))
     # tokenizer.json holds a whole vocabulary whatever the class names (transformers 5 saves a
     # GPT-2 tokenizer as tokenizer.json alone, its class naming vocab.json and merges.txt).
     held = [*names, "tokenizer.json"]
@@ -328,7 +333,8 @@ def text_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> Te
             "beside the model with tokenizer.save_pretrained"
         )
     tokenizer = load_tokenizer(path)
-    positions = token_positions(tower_config(read_config(path)))
+    config = tower_config(read_config(path))
+    positions = token_positions(config)
     limits = [int(getattr(tokenizer, "model_max_length", 0) or 0), positions]
     known = [n for n in limits if 0 < n < 1_000_000]  # transformers' "no limit" is 1e30
     steps = TextRecipe(
@@ -337,8 +343,7 @@ def text_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> Te
         folder=str(path),
     )
     asked = changes.get("max_length")
-    table = absolute_positions(tower_config(read_config(path)))
-    if table and positions > 0 and isinstance(asked, int) and asked > positions:
+    if isinstance(asked, int) and 0 < positions < asked and absolute_positions(config):
         raise ConfigError(
             f"--max-tokens {asked} is past the {positions} tokens the model in {folder} has "
             f"positions for; give at most {positions}"
