@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -211,13 +211,18 @@ def unknown_range(image: Image.Image) -> str | None:
         return None  # PNG and PGM have no 32-bit or signed greyscale: I is their 16 bits
     tags = getattr(image, "tag_v2", None)
     if image.format == "TIFF" and tags is not None:
-        bits, sample = tags.get(258, (0,)), tags.get(339, (1,))  # BitsPerSample, SampleFormat
-        first = lambda v: v[0] if isinstance(v, tuple) else v  # noqa: E731
-        if first(bits) == 16 and first(sample) == 1:
+        bits, sample = _tag(tags, 258, 0), _tag(tags, 339, 1)  # BitsPerSample, SampleFormat
+        if bits == 16 and sample == 1:
             return None
-        kind = "a signed" if first(sample) == 2 else "an unsigned"
-        return f"{kind} {first(bits)}-bit integer image"
+        kind = "a signed" if sample == 2 else "an unsigned"
+        return f"{kind} {bits}-bit integer image"
     return "a 32-bit integer image"
+
+
+def _tag(tags: Any, number: int, default: int) -> Any:
+    """A TIFF tag's first value (one per sample, all alike for a one-band image)."""
+    value = tags.get(number, default)
+    return value[0] if isinstance(value, tuple) else value
 
 
 def to_mode(image: Image.Image, mode: ColourMode, path: str | os.PathLike[str] = "") -> Image.Image:

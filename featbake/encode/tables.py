@@ -141,10 +141,9 @@ class DeclaredAudio:
         feature = features.get(column)
         if not isinstance(feature, Mapping) or feature.get("_type") != "Audio":
             return None
-        rate = feature.get("sampling_rate")
-        rate = rate if isinstance(rate, int) and not isinstance(rate, bool) and rate > 0 else None
-        channels, mono = feature.get("num_channels"), feature.get("mono")
-        if isinstance(channels, int) and not isinstance(channels, bool) and channels > 0:
+        rate = _count(feature.get("sampling_rate"))
+        channels, mono = _count(feature.get("num_channels")), feature.get("mono")
+        if channels is not None:
             mono = channels == 1
         mono = mono if isinstance(mono, bool) else None
         return None if rate is None and mono is None else cls(column, rate, mono)
@@ -169,6 +168,11 @@ class DeclaredAudio:
                 f"encoder the rows as datasets decodes them, {fix}"
             )
         return None
+
+
+def _count(value: Any) -> int | None:
+    """``value`` where it is a positive whole number (a rate, a channel count), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def is_table(where: str) -> bool:
