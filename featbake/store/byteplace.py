@@ -1052,7 +1052,8 @@ class Objects(BytePlace):
         for passed in skipped:
             del listed[passed.path]
         rels = [o.name[len(key) :] for o in listing]
-        refuse_tars_beside_files(prefix, [n for n in rels if "/" not in n and not hidden_name(n)])
+        top = [n for n in rels if "/" not in n]
+        refuse_tars_beside_files(prefix, [n for n in top if not hidden_name(n)])
         tars = [n for n in rels if "/" in n and is_tar(n) and not passed_over(n)]
         if not listed and skipped:
             raise SourceError(f"{prefix}/{skipped[0].path}: {skipped[0].reason}")
@@ -1065,7 +1066,6 @@ class Objects(BytePlace):
             )
         names = sorted(listed)
         refuse_several_splits(prefix, names, bucket_card(bucket, key, rels))  # as a folder's
-        top = [n for n in rels if "/" not in n]
         notes = (nested_tars_note(prefix, tars, exts), metadata_note(prefix, top))
         return Found(names, skipped, listed, tuple(n for n in notes if n))
 
