@@ -12,10 +12,11 @@ attributes), the run itself left out. One torch thread.
 Models: a 24-layer MLP (width 512, batch 8), the same MLP counting its calls (``self.calls += 1``
 in its forward: a run that sets a plain attribute, which the hooks trust from the glance) and,
 where ``transformers`` is installed, a wav2vec2-base sized model
-(``Wav2Vec2Model(Wav2Vec2Config())``, 94M parameters) on 0.1 s of audio; and the MLP with user
+(``Wav2Vec2Model(Wav2Vec2Config())``, 94M parameters) on 0.1 s of audio; the MLP with user
 hooks whose settings the watch reads at each forward (a pre-hook calling a helper that reads a
 config by key and a parsed ``args`` by field, a forward hook running a global adapter and a
-global window), bare and watched both running those hooks.
+global window), bare and watched both running those hooks; and the MLP whose own forward reads
+the config, ``args`` and window the same way.
 
 Run: ``chrt -f 10 python benchmarks/bench_watch.py [--quick]``.
 """
@@ -61,6 +62,14 @@ ADAPTER = frozen(nn.Linear(512, 512))
 WINDOW = torch.ones(512)
 
 
+class Configured(nn.Sequential):
+    """An MLP whose own forward reads the script's settings (a config by key, ``args`` by
+    field, a window), which the watch reads at each forward (``forward_globals``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _scaled(super().forward(x)) * WINDOW
+
+
 def _scaled(x: torch.Tensor) -> torch.Tensor:
     return x * CONFIG["gain"] * ARGS.gain
 
@@ -93,6 +102,7 @@ def _models() -> list[tuple[str, nn.Module, torch.Tensor]]:
     x = torch.randn(8, 512)
     models = [("24-layer MLP", _mlp(nn.Sequential), x), ("counting MLP", _mlp(Counting), x)]
     models.append(("MLP with user hooks", _hooked_mlp(), x))
+    models.append(("MLP whose forward reads settings", _mlp(Configured), x))
     try:
         from transformers import Wav2Vec2Config, Wav2Vec2Model
     except ImportError:

@@ -392,7 +392,7 @@ def _uses(code: Any, ops: frozenset[str], written: set[str], read: set[str]) -> 
         for j, op in enumerate(block, start=lo):
             if op.opname not in loads:
                 continue
-            if records_into(ins, j):
+            if records_into(ins, j) or (ops is GLOBAL_WRITES and sets_a_field(ins, j)):
                 written.add(op.argval)
             elif op.argval not in stored:
                 read.add(op.argval)
@@ -611,6 +611,12 @@ class HeldReading:
             parts.append(f"wraps={self.text(wrapped, name, depth)}")
         parts += self._globals(func, depth)
         return f"function({','.join(parts)})"
+
+    def globals_read(self, func: Any) -> list[str]:
+        """The globals ``func``'s code reads, each as ``global name=text``
+        (:meth:`_globals`): what a module's forward reads beside its own state
+        (:func:`forward_globals`)."""
+        return self._globals(func, 0)
 
     def _globals(self, func: Any, depth: int) -> list[str]:
         """The globals a function's code reads (:func:`global_names`) that change what it
@@ -1218,6 +1224,8 @@ def _names_read(code: Any, parts: list[str], how: Read) -> tuple[str, ...] | Non
     if reached_otherwise(code, parts):
         return None
     for ins, start, end in _chain_sites(code, parts):
+        if how is Read.BY_FIELD and sets_a_field(ins, end):
+            continue  # ``MONITOR.last = v``: a field written, none read
         read = _name_read(ins, start, end, how)
         if read is None:
             return None
@@ -1258,6 +1266,15 @@ def _chain_end(ins: list[Any], i: int, parts: list[str]) -> int | None:
         if op is None or op.opname not in _METHOD_LOADS or op.argval != part:
             return None
     return i + len(parts) - 1
+
+
+def sets_a_field(ins: list[Any], i: int) -> bool:
+    """Whether the value loaded at ``ins[i]`` has a field set or deleted on it right after
+    (``shared.MONITOR.last = v``): a global object a forward notes a value on, which it
+    reads nothing of there. Only a global's: an object a module holds under an attribute is
+    read by :func:`~featbake.keys.written_below`, which keeps what a subclass reads of it."""
+    after = ins[i + 1] if i + 1 < len(ins) else None
+    return after is not None and after.opname in ("STORE_ATTR", "DELETE_ATTR")
 
 
 def _name_read(ins: list[Any], start: int, end: int, how: Read) -> str | None:
@@ -1315,7 +1332,7 @@ def _only_recorded(code: Any, dotted: str) -> bool:
     if reached_otherwise(code, dotted.split(".")):
         return False
     for ins, _, end in _chain_sites(code, dotted.split(".")):
-        if not records_into(ins, end):
+        if not (records_into(ins, end) or sets_a_field(ins, end)):
             return False
         sites += 1
     return sites > 0  # none: reached otherwise (getattr), read
@@ -1965,12 +1982,17 @@ def is_own_namespace(value: Any) -> bool:
 _OWN_MODULES: dict[Any, Any] = {}
 
 
+#: How an object whose attributes are read as they are reads them.
+_GENERIC_READS = (object.__getattribute__, types.SimpleNamespace.__getattribute__)
+
+
 def _plain_object(value: Any) -> bool:
     """Whether ``value`` keeps its state in attributes read as they are: an object with a
     ``__dict__`` or slots, no container, whose class reads attributes the usual way (no
-    ``__getattr__``, ``__getattribute__`` of its own): its fields are what a read names."""
+    ``__getattr__``, ``__getattribute__`` of its own; ``SimpleNamespace``'s is the generic
+    one): its fields are what a read names."""
     cls = type(value)
-    plain_reads = cls.__getattribute__ is object.__getattribute__
+    plain_reads = cls.__getattribute__ in _GENERIC_READS
     return (
         _has_attributes(value)
         and plain_reads
@@ -2178,8 +2200,9 @@ def hook_identity(module: Any) -> str:
 
 
 def module_identity(module: Any) -> str:
-    """An in-process module's identity: class, repr, code, plain attributes, and its forward
-    hooks where it has any (:func:`hook_identity`; none: the identity it always had).
+    """An in-process module's identity: class, repr, code, plain attributes, its forward
+    hooks where it has any (:func:`hook_identity`) and the globals its forward reads where it
+    reads any (:func:`forward_globals`; neither: the identity it always had).
 
     Shared by :func:`from_module` and :class:`featbake.cached_encoder.CachedEncoder`, so the same
     module gets the same fingerprint either way.
@@ -2187,7 +2210,55 @@ def module_identity(module: Any) -> str:
     ident = f"module:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
     ident = f"{ident}\ncode:{code_identity(module)}\nattrs:{attribute_identity(module)}"
     hooks = hook_identity(module)
-    return f"{ident}\nhooks:{hooks}" if hooks else ident
+    ident = f"{ident}\nhooks:{hooks}" if hooks else ident
+    read = forward_globals(module, exact=True)
+    return f"{ident}\nglobals:{hashlib.sha256(read.encode()).hexdigest()}" if read else ident
+
+
+def forward_functions(module: Any) -> tuple[Any, ...]:
+    """The functions whose globals a module's key reads (:func:`forward_globals`): the
+    ``forward`` of each submodule's class of the user's (:func:`reads_held_attributes`: a
+    library's classes read library globals, versioned by the library) and every method of
+    that class it reaches by name (:func:`reached_methods`: ``self.scale(x)``, a base class's
+    ``forward`` through ``super()``), each once, in the tree's order. An instance's own
+    ``forward`` is read otherwise (refused while it differs)."""
+    found: dict[Any, None] = {}
+    subs = module.modules() if hasattr(module, "modules") else [module]
+    for cls in dict.fromkeys(type(sub) for sub in subs if reads_held_attributes(sub)):
+        forward = method_function(inspect.getattr_static(cls, "forward", None))
+        if inspect.isfunction(forward):
+            found.update(dict.fromkeys(reached_methods(forward, cls)))
+    return tuple(found)
+
+
+def forward_globals(module: Any, *, exact: bool, functions: Iterable[Any] | None = None) -> str:
+    """The globals a module's forward reads, by the one rule a hook's are read by
+    (:meth:`HeldReading.globals_read`: ``shared.STATE.scale``, a settings dict's items, a
+    global tensor by its values, a global adapter by its state, the user's helper of another
+    module by its code and the globals it reads in turn), for each of ``functions`` (default
+    :func:`forward_functions`) that reads any, by its qualified name; ``""`` where none does.
+    The module's own submodules and tensors read as ``<own>`` (its key reads them). What no
+    key can read (a global module with hooks of its own, a value too large) is named in the
+    text, not refused: the rest is keyed as before. ``exact``: tensors and global modules
+    hashed anew (a key; the check before misses), else trusted while their stamps hold (a
+    watch, at each forward).
+
+    A forward reading ``x * shared.STATE.scale`` changes its outputs when the setting does,
+    with no code, weight or attribute of the module changed: a key must read it.
+
+    Example:
+        >>> forward_globals(torch.nn.Linear(2, 2), exact=True)
+        ''
+    """
+    functions = forward_functions(module) if functions is None else functions
+    reading = HeldReading(_TreeIds(module), exact=exact)
+    rows = []
+    for func in functions:
+        read = reading.globals_read(func)
+        if read:
+            owner = "__main__" if func.__module__ == "__mp_main__" else func.__module__
+            rows.append(f"{owner}.{func.__qualname__}({','.join(read)})")
+    return ";".join(rows)
 
 
 def script_identity(module: Any, path: Path) -> str:

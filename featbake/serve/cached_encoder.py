@@ -54,6 +54,8 @@ from featbake.encode.identity import (
     attribute_digest,
     attribute_row,
     foreign_global_hooks,
+    forward_functions,
+    forward_globals,
     held_attribute,
     held_attribute_text,
     held_values,
@@ -308,6 +310,9 @@ class GlancePlan:
 
     looks: tuple[_Look, ...]
     tensors: tuple[weakref.ref[torch.Tensor], ...]
+    #: The functions of its forward that read globals (:func:`forward_globals`), read by
+    #: value at each glance; none where none did when planned.
+    reads: tuple[Any, ...] = ()
 
     def live_tensors(self) -> list[torch.Tensor] | None:
         """The planned tensors (None: one of them is gone, so the tree changed)."""
@@ -329,7 +334,9 @@ def glance_plan(module: nn.Module) -> GlancePlan | None:
         held = _held_attributes(sub, attrs, public)
         looks.append(_Look(weakref.ref(sub), pick, len(public) > 1, listy, name, public, held))
     tensors = tuple(weakref.ref(t) for t in (*module.parameters(), *module.buffers()))
-    return GlancePlan(tuple(looks), tensors)
+    functions = forward_functions(module)
+    reads = tuple(f for f in functions if forward_globals(module, exact=False, functions=(f,)))
+    return GlancePlan(tuple(looks), tensors, reads)
 
 
 def _held_attributes(
@@ -528,6 +535,11 @@ def take_glance(plan: GlancePlan) -> Glance | None:
     sizes += map(len, GLOBAL_HOOKS)
     if GLOBAL_HOOKS[0] or GLOBAL_HOOKS[1]:
         _glance_hooks(GLOBAL_HOOKS, held, hooked)
+    if plan.reads:  # a setting its forward reads, edited in place or bound anew
+        root = plan.looks[0].ref()
+        if root is None:
+            return None
+        texts.append(forward_globals(root, exact=False, functions=plan.reads))
     tensors = plan.live_tensors()
     if tensors is None:
         return None
@@ -671,6 +683,9 @@ def structure_read(module: nn.Module) -> Structure:
         for key, value in public_attributes(sub).items():  # a TorchScript module's own
             if key not in attrs and keyed_attribute(key) and is_plain(value):
                 plain.append([name, key, repr(value)])
+    read = forward_globals(module, exact=False)
+    if read:  # keyed: the fingerprint made again reads them exactly
+        keyed.append(("<forward globals>", read))
     globals_ = foreign_global_hooks()
     unkeyed += map(_pinned, globals_)
     global_rows = [(i, id(h), *held_values(h)) for i, h in enumerate(globals_)]

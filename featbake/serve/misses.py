@@ -40,6 +40,7 @@ from featbake.encode.fingerprints import (
 from featbake.encode.hf import is_hf_folder
 from featbake.encode.identity import (
     foreign_global_hooks,
+    forward_globals,
     forward_hooks,
     held_values,
     module_identity,
@@ -500,7 +501,14 @@ class LiveEncoder:
         unkeyed = self.watch.unkeyed_change if self.watch is not None else ""
         if unkeyed:
             return UNKEYED_CHANGES[unkeyed]
-        if module is not None and not same_hooks(hooks_now(module), self.hooks):
+        hooks = hooks_now(module) if module is not None else self.hooks
+        if not same_hooks(hooks, self.hooks):
+            differs = hooks_differ(hook_readings(self.hooks), hook_readings(hooks))
+            if differs.endswith("that the module's forward reads differs here"):
+                return (
+                    f"{differs.removesuffix(' differs here')} changed since, and the keys "
+                    "read it; set it before making the dataset"
+                )
             return (
                 "a forward hook was added, removed or replaced since, or what it holds "
                 "changed, and a hook may change what it returns; register hooks before making "
@@ -614,7 +622,14 @@ def hooks_now(
         return ()
     own = list(forward_hooks(module))
     own += [("<global>", "", h) for h in foreign_global_hooks()]
-    return tuple((n, k, h, tuple(held_values(h, exact=exact))) for n, k, h in own)
+    rows = tuple((n, k, h, tuple(held_values(h, exact=exact))) for n, k, h in own)
+    read = forward_globals(module, exact=exact)
+    return (*rows, (FORWARD, "", type(module), (read,))) if read else rows
+
+
+#: Where a :func:`hooks_now` reading names the globals the module's own forward reads
+#: (:func:`~featbake.encode.identity.forward_globals`), read and compared as a hook's are.
+FORWARD = "<forward>"
 
 
 def hook_readings(hooks: Sequence[Any]) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
@@ -640,12 +655,20 @@ def hooks_differ(then: Sequence[Any], now: Sequence[Any]) -> str:
     for (name, _, held_then), (_, _, held_now) in zip(then, now, strict=True):
         if held_then != held_now:
             names = differing_globals(",".join(held_then), ",".join(held_now))
-            on = name or "the module"
-            where = "a process-wide forward hook" if name == "<global>" else f"the hook on {on}"
+            where = _reader(name)
             if not names:
                 return f"what {where} holds differs here"
             return f"the global {', '.join(names)} that {where} reads differs here"
     return ""
+
+
+def _reader(name: str) -> str:
+    """What reads a :func:`hooks_now` row's values, as a message names it."""
+    if name == FORWARD:
+        return "the module's forward"
+    if name == "<global>":
+        return "a process-wide forward hook"
+    return f"the hook on {name or 'the module'}"
 
 
 def differing_globals(then: str, now: str) -> list[str]:

@@ -665,9 +665,15 @@ def everywhere(module, args, output):
     return output * 2.0 if isinstance(module, TinyConvEncoder) else None
 
 
-def serve(case, hook, data, store):
-    module = TinyConvEncoder().eval()
-    module.register_forward_hook(hook)
+class Scaled(TinyConvEncoder):  # its own forward reads the setting
+    def forward(self, wav):
+        return super().forward(wav) * SETTINGS["gain"]
+
+
+def serve(case, hook, data, store, cls=TinyConvEncoder):
+    module = cls().eval()
+    if hook is not None:
+        module.register_forward_hook(hook)
     ds = CachedFeatureDataset(data, module, cache=store / case)
     spawn = dict(batch_size=None, num_workers=1, multiprocessing_context="spawn")
     try:
@@ -683,8 +689,10 @@ def main():
     warnings.simplefilter("ignore")
     data, store = Path(sys.argv[1]), Path(sys.argv[2])
     serve("import-set", adapted, data, store)
+    serve("forward-import-set", None, data, store, Scaled)
     SETTINGS["gain"] = 5.0
     serve("setting-set-in-main", adapted, data, store)
+    serve("forward-setting-set-in-main", None, data, store, Scaled)
     SETTINGS["gain"] = 3.0
     handle = torch.nn.modules.module.register_module_forward_hook(everywhere)
     serve("process-wide-hook-registered-in-main", adapted, data, store)
@@ -723,12 +731,17 @@ def test_a_spawned_worker_never_serves_another_global_adapters_features(
     ("case", "named"),
     [
         ("setting-set-in-main", "the global SETTINGS that the hook on the module reads"),
+        ("forward-setting-set-in-main", "the global SETTINGS that the module's forward reads"),
         (
             "process-wide-hook-registered-in-main",
             "process-wide hook registered when the dataset was made is not registered here",
         ),
     ],
-    ids=["setting-set-in-main", "process-wide-hook-registered-in-main"],
+    ids=[
+        "setting-set-in-main",
+        "forward-setting-set-in-main",
+        "process-wide-hook-registered-in-main",
+    ],
 )
 def test_a_spawned_worker_refuses_a_miss_where_its_hooks_read_other_values(
     spawned_cases: dict[str, list[str]], case: str, named: str
@@ -750,6 +763,8 @@ def test_a_spawned_worker_whose_hooks_read_what_the_import_set_serves_its_misses
     dataset's keys were made with (an adapter of the script's own class, ``__mp_main__``'s
     there, too), and encodes its misses."""
     assert spawned_cases.get("import-set") == ["served 0 same", "served 1 same"], spawned_cases
+    served = spawned_cases.get("forward-import-set")
+    assert served == ["served 0 same", "served 1 same"], spawned_cases
 
 
 #: What an observing hook's helper touches that the training changes: a call counter it

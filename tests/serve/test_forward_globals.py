@@ -1,0 +1,234 @@
+"""The globals an in-process module's own forward reads (r24.1): ``x * shared.STATE.scale``,
+a helper of another module reading a settings dict, a global tensor, a global of the
+module's own file, one read by a method the forward calls or by a submodule of the user's.
+Each was keyed by nothing (a module's forward hooks' globals were, serve10.17), so a dataset
+made after a change, or a ``CachedEncoder`` after one, served the features of the setting
+first run. Each test changes one and compares what is served with the encoder run now; the
+reverse tests check that a forward recording into globals, or reading none, keeps its key."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from featbake.encode.encoders import from_module
+from featbake.encode.identity import forward_globals, module_identity
+from featbake.serve.cached_encoder import CachedEncoder
+from featbake.testing import TinyConvEncoder
+from tests.serve.test_cached_encoder import frozen, waves
+from tests.serve.test_watch_keys import (
+    _assert_live,
+    _baked_then_reopened,
+    _first_dataset,
+    _refused_in_one_line,
+    _served_live_after,
+    _user_package,
+)
+
+_PACKAGE = "fwdglobals"
+
+_SHARED = """
+import types
+import torch
+
+STATE = types.SimpleNamespace(scale=2.0)
+GAIN = {"g": 1.0}
+WINDOW = torch.tensor([2.0, 1.0])
+MONITOR = types.SimpleNamespace(last=None)
+SEEN = []
+
+
+def gained(x):
+    return x * GAIN["g"]
+"""
+
+_MODEL = """
+import torch
+from featbake.testing import TinyConvEncoder
+from . import shared
+from .shared import gained
+
+SCALE = 2.0
+CALLS = 0
+
+
+class ReadsASetting(TinyConvEncoder):
+    def forward(self, wav):
+        return super().forward(wav) * shared.STATE.scale
+
+
+class CallsAHelper(TinyConvEncoder):
+    def forward(self, wav):
+        return gained(super().forward(wav))
+
+
+class ReadsAWindow(TinyConvEncoder):
+    def forward(self, wav):
+        return super().forward(wav) * shared.WINDOW[0]
+
+
+class ReadsItsFilesGlobal(TinyConvEncoder):
+    def forward(self, wav):
+        return super().forward(wav) * SCALE
+
+
+class ScalesInAMethod(TinyConvEncoder):
+    def scaled(self, x):
+        return x * shared.GAIN["g"]
+
+    def forward(self, wav):
+        return self.scaled(super().forward(wav))
+
+
+class Post(torch.nn.Module):
+    def forward(self, x):
+        return x * shared.STATE.scale
+
+
+class HoldsAReader(TinyConvEncoder):
+    def __init__(self):
+        super().__init__()
+        self.post = Post()
+
+    def forward(self, wav):
+        return self.post(super().forward(wav))
+
+
+class Records(TinyConvEncoder):
+    def forward(self, wav):
+        global CALLS
+        out = super().forward(wav)
+        CALLS += 1
+        shared.SEEN.append(1)
+        shared.MONITOR.last = out.detach().mean()
+        return out
+"""
+
+
+@pytest.fixture
+def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """The user's package: ``shared`` (settings, a window, a helper) and ``model`` (encoder
+    classes whose forward reads them), imported afresh."""
+    files = {"shared.py": _SHARED, "model.py": _MODEL}
+    with _user_package(tmp_path, monkeypatch, _PACKAGE, files):
+        yield importlib.import_module(f"{_PACKAGE}.model")
+
+
+def _setting(model: ModuleType) -> None:
+    model.shared.STATE.scale = 3.0
+
+
+def _gain(model: ModuleType) -> None:
+    model.shared.GAIN["g"] = 3.0
+
+
+#: Each case: the class of ``model`` and a change of a global its forward reads.
+CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
+    "namespace-setting-edited": ("ReadsASetting", _setting),
+    "namespace-replaced": (
+        "ReadsASetting",
+        lambda m: setattr(m.shared, "STATE", type(m.shared.STATE)(scale=0.5)),
+    ),
+    "helper-of-another-module-reads-a-dict": ("CallsAHelper", _gain),
+    "global-tensor-edited": ("ReadsAWindow", lambda m: m.shared.WINDOW.fill_(0.25)),
+    "global-of-its-own-file-bound-anew": ("ReadsItsFilesGlobal", lambda m: setattr(m, "SCALE", 4)),
+    "read-by-a-method-it-calls": ("ScalesInAMethod", _gain),
+    "read-by-a-submodule-of-the-users": ("HoldsAReader", _setting),
+}
+
+
+@pytest.mark.parametrize("how", list(CHANGES))
+def test_a_global_the_forward_reads_changed_between_datasets_is_not_served_stale(
+    package: ModuleType, tmp_path: Path, audio_dir: Path, how: str
+) -> None:
+    """A first dataset bakes an item; the global changes; a second dataset on the same store
+    serves what the module returns now (it served the first run's features)."""
+    name, change = CHANGES[how]
+    module = getattr(package, name)().eval()
+    _served_live_after(audio_dir, module, tmp_path, lambda: change(package))
+
+
+@pytest.mark.parametrize("how", list(CHANGES))
+def test_a_global_the_forward_reads_changed_under_an_open_cached_encoder_is_not_served_stale(
+    package: ModuleType, tmp_path: Path, how: str
+) -> None:
+    """Changed after three calls of one ``CachedEncoder`` (its RAM tier warm, its watch past
+    its first exact reads): the watch reads the forward's globals at each call."""
+    name, change = CHANGES[how]
+    module = frozen(getattr(package, name)())
+    x = waves(2)
+    cached = CachedEncoder(module, cache=tmp_path / "c")
+    for _ in range(3):
+        cached(x, ids=["a", "b"])
+    change(package)
+    with torch.inference_mode():
+        now = module(x)
+    torch.testing.assert_close(cached(x, ids=["a", "b"]), now)
+
+
+def test_a_global_changed_after_the_dataset_was_made_refuses_its_misses_in_one_line(
+    package: ModuleType, tmp_path: Path, audio_dir: Path
+) -> None:
+    """The dataset's keys were made with the setting as it was: a miss encoded now would be
+    stored under them. It is refused, naming the global and what to do."""
+    module = package.ReadsASetting().eval()
+    ds = _first_dataset(audio_dir, module, tmp_path)
+    ds[0]
+    _setting(package)
+    said = _refused_in_one_line(ds, 1, "changed since this dataset was created")
+    assert "the global shared.STATE that the module's forward reads changed since" in said
+
+
+def test_a_forward_recording_into_globals_keeps_its_key(
+    package: ModuleType, tmp_path: Path, audio_dir: Path
+) -> None:
+    """A forward that bumps a counter of its file, appends to a global list and sets a value
+    on a global object it never reads back changes nothing it returns: a dataset made after
+    it ran serves every item from the store (``on_miss="error"``), and a second pass of one
+    ``CachedEncoder`` is all hits."""
+    module = frozen(package.Records())
+    before = from_module(module).fingerprint
+    x = waves(2)
+    cached = CachedEncoder(module, cache=tmp_path / "c", ram_cache=0)
+    cached(x, ids=["a", "b"])
+    cached(x, ids=["a", "b"])
+    assert package.CALLS == 1 and package.shared.MONITOR.last is not None  # one batch ran
+    assert from_module(module).fingerprint == before
+    assert cached.cache_info()["encoded"] == 2
+    again = _baked_then_reopened(audio_dir, module, tmp_path / "d", n=2)  # on_miss="error"
+    _assert_live(again, module, 2)
+
+
+@pytest.mark.parametrize("name", ["ReadsASetting", "CallsAHelper", "ReadsAWindow"])
+def test_an_unchanged_global_serves_hits(
+    package: ModuleType, tmp_path: Path, audio_dir: Path, name: str
+) -> None:
+    """No needless miss: the forward's globals read alike at each call and in a dataset
+    reopened with ``on_miss="error"``."""
+    module = frozen(getattr(package, name)())
+    x = waves(3)
+    ids = [f"utt{i}" for i in range(3)]
+    cached = CachedEncoder(module, cache=tmp_path / "c", ram_cache=0)
+    cached(x, ids=ids)
+    cached(x, ids=ids)
+    assert cached.cache_info()["encoded"] == 3
+    reopened = _baked_then_reopened(audio_dir, module, tmp_path / "d", n=2)
+    _assert_live(reopened, module, 2)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [TinyConvEncoder(), torch.nn.TransformerEncoderLayer(16, 2, 32)],
+    ids=["featbake-tiny", "torch-layer"],
+)
+def test_a_module_reading_no_setting_keeps_the_identity_it_had(module: torch.nn.Module) -> None:
+    """Library code reads library globals (versioned by the library, or torch's left out):
+    no global is read, and the identity has no part of them, as before."""
+    assert forward_globals(module, exact=True) == ""
+    assert "\nglobals:" not in module_identity(module)
