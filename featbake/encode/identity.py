@@ -213,9 +213,11 @@ def held_attribute_text(module: Any, value: Any, *, exact: bool, key: str = "") 
     value (:class:`HeldReading`: a dict by its items, a function by its code, cells and
     defaults, a partial by its function and arguments, a bound method by its function and
     object), ``module``'s own submodules and tensors by their type (its key reads them), a
-    tensor held inside an object, namespace or dataclass by its values. None where the
-    reading meets what no key reads (another module, a tensor in a plain list or dict, which
-    the key reads as a buffer, an address): left out of the key as before, not refused. A
+    tensor held inside an object, namespace or dataclass by its values, a module held so by
+    its state (:func:`global_module_digest`). None where the reading meets what no key reads
+    (a tensor in a plain list or dict, which the key reads as a buffer, an address, a held
+    module with hooks of its own or in train mode): left out of the key as before, not
+    refused. A
     numpy array by its values (:func:`global_tensor_digest`, as a hook's global array).
     ``exact``: as a key reads it (an array or a global module's weights hashed anew); else
     as a watch reads it at each forward: an array of up to :data:`WATCHED_ARRAY_BYTES`
@@ -258,6 +260,11 @@ class _TreeIds(Container[int]):
     def __init__(self, module: Any) -> None:
         self.module = module
         self._ids: set[int] | None = None
+
+    def inside(self, other: torch.nn.Module) -> bool:
+        """Whether the module these ids are of is ``other`` or one of its submodules (a
+        submodule holding its owner in a list or namespace, not registered)."""
+        return any(sub is self.module for sub in other.modules())
 
     def __contains__(self, key: object) -> bool:
         if self._ids is None:
@@ -481,9 +488,10 @@ class HeldReading:
     itself reads as ``<cycle>``. ``exact``: a global module's weights hashed anew
     (:func:`global_module_digest`), as a key and a check before misses read them; else
     trusted while its stamp is unchanged, as a watch reads them at each forward.
-    ``tensors``: a tensor or array not in ``own`` read by its values (as a global one is)
-    instead of refused, for a module's own attribute: a ``SimpleNamespace``, dataclass or
-    object of its holding global CMVN statistics changes its outputs as a buffer does."""
+    ``tensors``: a tensor or array not in ``own`` read by its values, and a module by its
+    state (as global ones are), instead of refused, for a module's own attribute: a
+    ``SimpleNamespace``, dataclass or object of its holding global CMVN statistics, or an
+    adapter network, changes its outputs as a buffer or submodule does."""
 
     def __init__(
         self,
@@ -526,12 +534,17 @@ class HeldReading:
     def _weights(self, value: Any, name: str) -> str:
         """A tensor, array or module: the hooked module's own as its type (its key reads
         it); one reached through a global (an adapter object's ``self.net``, a helper's
-        closure) by its values or state, as a global one is; one the hook holds itself
-        refused (:attr:`refused`: make it a buffer or submodule)."""
+        closure) or held inside a module's attribute (:attr:`tensors`) by its values or
+        state, as a global one is; one the hook holds itself refused (:attr:`refused`: make
+        it a buffer or submodule)."""
         what = type(value).__name__
         if id(value) in self.own:
             return f"<{what}>"
-        if self.tensors and not isinstance(value, torch.nn.Module):
+        if self.tensors and isinstance(value, torch.nn.Module):
+            if isinstance(self.own, _TreeIds) and self.own.inside(value):
+                return "<owner>"  # the module holding it, or its owner: the key reads it
+            return self._global_module(value, name)  # an adapter in a held namespace
+        if self.tensors:
             return self._global_tensor(value, name)
         if not self._in_global:
             return self._refuse(name, what)
@@ -1102,18 +1115,30 @@ def global_module_digest(module: torch.nn.Module, *, exact: bool = False) -> str
     or attributes changed, or where ``exact`` (a key, a check before misses: an edit behind
     the version counters, ``weight.data.mul_``, is seen there, and the digest kept for the
     watch's reads is the new one, and an in-place edit of an inference tensor, which keeps no
-    version, is seen there too)."""
-    stamp = _module_stamp(module)
-    kept = _GLOBAL_MODULES.get(module)
-    if not exact and kept is not None and kept[0] == stamp:
-        return kept[1]
-    owner = f"{_script_named(type(module).__module__)}.{type(module).__qualname__}"
-    modes = [sub.training for sub in module.modules()]
-    ident = f"global-module:{owner}\n{module!r}\ncode:{code_identity(module)}"
-    ident = f"{ident}\nattrs:{attribute_identity(module)}\nmodes:{modes}"
-    digest = module_fingerprint(module, ident)
-    _GLOBAL_MODULES[module] = (stamp, digest)
-    return digest
+    version, is seen there too). A module met again while its own digest is made (a
+    submodule holding its owner in a namespace or list) reads as ``<cycle>``."""
+    making = _MAKING.__dict__.setdefault("ids", set())
+    if id(module) in making:
+        return "<cycle>"
+    making.add(id(module))
+    try:
+        stamp = _module_stamp(module)
+        kept = _GLOBAL_MODULES.get(module)
+        if not exact and kept is not None and kept[0] == stamp:
+            return kept[1]
+        owner = f"{_script_named(type(module).__module__)}.{type(module).__qualname__}"
+        modes = [sub.training for sub in module.modules()]
+        ident = f"global-module:{owner}\n{module!r}\ncode:{code_identity(module)}"
+        ident = f"{ident}\nattrs:{attribute_identity(module)}\nmodes:{modes}"
+        digest = module_fingerprint(module, ident)
+        _GLOBAL_MODULES[module] = (stamp, digest)
+        return digest
+    finally:
+        making.discard(id(module))
+
+
+#: The ids of the modules whose :func:`global_module_digest` is being made, per thread.
+_MAKING = threading.local()
 
 
 def _script_named(owner: str) -> str:

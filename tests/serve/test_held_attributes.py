@@ -128,6 +128,25 @@ class _HeldStatistics(TinyConvEncoder):
         return super().forward(wav) * self.stats.std
 
 
+class _HeldAdapter(TinyConvEncoder):
+    """An adapter network kept in a namespace (no submodule: its weights are in no
+    ``state_dict``), run on the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        adapter = torch.nn.Linear(1, 1).eval().requires_grad_(False)
+        self.extra = types.SimpleNamespace(adapter=adapter)
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        out = super().forward(wav)
+        return self.extra.adapter(out.unsqueeze(-1)).squeeze(-1)
+
+
+def _other_adapter(m: Any) -> None:
+    torch.manual_seed(7)
+    m.extra.adapter = torch.nn.Linear(1, 1).eval().requires_grad_(False)
+
+
 class _NotesThenScales(_NamespaceSettings):
     """Sets a value of its own on the settings its base class's forward reads them from."""
 
@@ -168,6 +187,12 @@ CHANGES = {
         _NotesThenScales,
         lambda m: setattr(m.cfg, "scale", 3.0),
     ),
+    # r24.2: a module held inside such an object was read as its type only.
+    "namespace-module-weights-edited": (
+        _HeldAdapter,
+        lambda m: m.extra.adapter.weight.mul_(3.0),
+    ),
+    "namespace-module-replaced": (_HeldAdapter, _other_adapter),
     "namespace-in-a-dict-tensor-edited": (
         functools.partial(_HeldStatistics, "dict"),
         lambda m: m.stats.std.fill_(0.5),
