@@ -8,13 +8,16 @@ Three layouts name their items this way (``--data`` picks one, see
   (``path``, or ``--column NAME``) holds a path relative to the manifest's folder, or an absolute
   one; optional ``start`` and ``end`` (seconds) make the row a segment (no ``start``: from 0, no
   ``end``: to the recording's end), as do ``start`` and ``duration`` (lhotse's timing) and
-  ``offset`` and ``duration`` (NeMo's: an ``offset`` makes the row a segment, a ``duration`` alone
-  is a label of the whole file); ``channel`` picks one channel, ``id`` names the item (default: the
-  path as written, plus ``#start-end`` for a segment), and every other column is carried
-  (:meth:`RowInputs.row`). Seconds become samples by the rule of the tool whose fields time the
-  row (:func:`row_rule`), so a row decodes as that tool's loader reads it: ``start``/``end``
-  to the nearest sample, ``start`` + ``duration`` as lhotse counts them, ``offset`` +
-  ``duration`` as NeMo's ``AudioSegment.from_file`` truncates them.
+  ``offset`` and ``duration`` (NeMo's). A ``duration`` alone is a label of the whole file,
+  except in a NeMo manifest's row (an ``audio_filepath``, :data:`NEMO_INPUT`), which NeMo's
+  loader reads from 0 for that ``duration``; a NeMo ``duration`` of 0 or less reads to the end
+  (:func:`nemo_end`). ``channel`` picks one channel, ``id`` names the item (default: the path as
+  written, plus ``#start-end`` for a segment, :func:`named_span`), and every other column is
+  carried (:meth:`RowInputs.row`). Seconds become samples by the rule of the tool whose fields
+  time the row (:func:`row_rule`), so a row decodes as that tool's loader reads it:
+  ``start``/``end`` to the nearest sample, ``start`` + ``duration`` as lhotse counts them,
+  ``offset`` + ``duration`` as NeMo's ``AudioSegment.from_file`` truncates them (a read past
+  the file's end stopping at it, as NeMo's does).
 * :class:`KaldiInputs`: a Kaldi data folder. ``wav.scp`` maps recording ids to files (a relative
   path is taken from the working directory, as Kaldi's scripts take it); with a
   ``segments`` file each utterance is a segment (``utt rec start end [channel]``; ``end`` -1,
@@ -118,6 +121,9 @@ DEFAULT_COLUMN = "path"
 T = TypeVar("T")
 #: Columns a manifest row reads itself (besides the input column); every other one is carried.
 OWN_COLUMNS = ("start", "end", "id", "channel")
+#: The field NeMo's manifests name a row's audio by: a row holding it is timed as NeMo's
+#: loader reads it (:func:`row_rule`), its ``duration`` the samples read, not a label.
+NEMO_INPUT = "audio_filepath"
 #: A guess at a segment's bytes per second (16 kHz, 16-bit), to balance a build's parts.
 SEGMENT_BYTES_PER_SECOND = 32_000
 #: Bytes of bucket objects a decoding process keeps, so the segments of one recording in a
@@ -247,7 +253,7 @@ def input_file(value: Any, base: str, column: str) -> str:
 
 def start_of(fields: Mapping[str, Any]) -> Any:
     """A row's ``start``, or, where it has none, its ``offset`` (NeMo's manifests time a row by
-    ``offset`` and ``duration``: an offset, 0 too, makes the row a segment).
+    ``offset`` and ``duration``: a NeMo row without an offset is read from 0, :func:`nemo_end`).
 
     Example:
         >>> start_of({"start": 2, "offset": 1}), start_of({"offset": 0}), start_of({})
@@ -259,22 +265,67 @@ def start_of(fields: Mapping[str, Any]) -> Any:
 
 def end_of(fields: Mapping[str, Any]) -> Any:
     """A row's ``end``, or, where it has none, its start (:func:`start_of`) ``+ duration`` (a
-    segment timed as lhotse times cuts and supervisions, or NeMo its rows); a ``duration``
-    without a start is a label of the whole file (NeMo's whole-file rows), not a bound.
+    segment timed as lhotse times cuts and supervisions), or a NeMo row's end
+    (:func:`nemo_end`: from its offset, or 0, for its duration; to the recording's end for a
+    duration of 0 or less). A ``duration`` without a start in any other row is a label of the
+    whole file, not a bound.
 
     Example:
         >>> end_of({"start": "1.5", "duration": 2}), end_of({"duration": 2}), end_of({"end": 3})
         (3.5, None, 3)
-        >>> end_of({"offset": 0, "duration": 1.25})
-        1.25
+        >>> end_of({"offset": 0, "duration": 1.25}), end_of({"offset": 1, "duration": 0})
+        (1.25, None)
+        >>> end_of({"audio_filepath": "a.wav", "duration": 2})
+        2.0
 
     Raises:
-        BadRow: the start or duration is not seconds.
+        BadRow: the start, offset or duration is not seconds.
     """
     end, start, duration = fields.get("end"), start_of(fields), fields.get("duration")
-    if end not in (None, "") or start in (None, "") or duration in (None, ""):
+    if end not in (None, "") or duration in (None, ""):
         return end
-    return seconds(start, "start") + seconds(duration, "duration")
+    if row_rule(fields) is SampleRule.NEMO:
+        return nemo_end(start, duration)
+    return end if start in (None, "") else seconds(start, "start") + seconds(duration, "duration")
+
+
+def nemo_duration(value: Any) -> float | None:
+    """A NeMo row's ``duration`` as NeMo's ``AudioSegment.from_file`` reads it: the seconds
+    it reads (``read(int(duration * rate))`` where ``duration > 0``), or None where it reads
+    to the recording's end (none given, or 0 or less: NeMo's "the whole file").
+
+    Example:
+        >>> nemo_duration("1.5"), nemo_duration(0), nemo_duration(-1), nemo_duration(None)
+        (1.5, None, None, None)
+
+    Raises:
+        BadRow: not a number of seconds (text, NaN, +infinity).
+    """
+    if value in (None, ""):
+        return None
+    try:
+        negative = not isinstance(value, bool) and float(value) < 0
+    except (TypeError, ValueError):
+        negative = False  # refused, naming it, below
+    return None if negative else seconds(value, "duration") or None
+
+
+def nemo_end(offset: Any, duration: Any) -> float | None:
+    """A NeMo row's end in seconds: its offset (none: 0, where NeMo's datasets pass
+    ``offset=0``) plus its duration (:func:`nemo_duration`), or None (the recording's end)
+    where NeMo reads to the end. Its samples are counted from the duration as written
+    (:func:`row_span`), not from this sum.
+
+    Example:
+        >>> nemo_end(1, 0.5), nemo_end(None, "2"), nemo_end(1, 0), nemo_end("", -1)
+        (1.5, 2.0, None, None)
+
+    Raises:
+        BadRow: the offset or the duration is not seconds.
+    """
+    first = 0.0 if offset in (None, "") else seconds(offset, "offset")
+    length = nemo_duration(duration)
+    return None if length is None else first + length
 
 
 def has_value(fields: Mapping[str, Any], name: str) -> bool:
@@ -286,20 +337,25 @@ def row_rule(fields: Mapping[str, Any]) -> SampleRule:
     """How a row's seconds become samples: the rule of the tool whose fields time it, so what
     is decoded is what that tool's loader reads. An ``end`` is featbake's own (nearest
     sample); ``start`` and ``duration`` are lhotse's (each counted half up, as its
-    ``compute_num_samples``); ``offset`` without a ``start`` is NeMo's (the offset and the
-    duration each truncated, as its ``AudioSegment.from_file`` seeks and reads).
+    ``compute_num_samples``); ``offset`` without a ``start``, or a NeMo manifest's row (an
+    ``audio_filepath``, :data:`NEMO_INPUT`) with neither ``start`` nor ``end``, is NeMo's (the
+    offset and the duration each truncated, as its ``AudioSegment.from_file`` seeks and reads:
+    NeMo's datasets pass every row's ``duration``, with an offset or from 0). A ``duration``
+    alone in any other row (a plain list of files with their lengths) is a label.
 
     Example:
         >>> rows = [{"start": 1, "end": 2}, {"start": 1, "duration": 1}, {"offset": 1},
-        ...         {"offset": 1, "duration": 1}, {"start": 1}, {"duration": 3}]
+        ...         {"offset": 1, "duration": 1}, {"start": 1}, {"duration": 3},
+        ...         {"audio_filepath": "a.wav", "duration": 3}]
         >>> [row_rule(r).value for r in rows]
-        ['nearest', 'lhotse', 'nemo', 'nemo', 'nearest', 'nearest']
+        ['nearest', 'lhotse', 'nemo', 'nemo', 'nearest', 'nearest', 'nemo']
     """
     if has_value(fields, "end"):
         return SampleRule.NEAREST
     if has_value(fields, "start"):
         return SampleRule.LHOTSE if has_value(fields, "duration") else SampleRule.NEAREST
-    return SampleRule.NEMO if has_value(fields, "offset") else SampleRule.NEAREST
+    nemo = has_value(fields, "offset") or has_value(fields, NEMO_INPUT)
+    return SampleRule.NEMO if nemo else SampleRule.NEAREST
 
 
 def row_span(fields: Mapping[str, Any]) -> Span | None:
@@ -307,14 +363,34 @@ def row_span(fields: Mapping[str, Any]) -> Span | None:
     :func:`row_rule` from its ``duration`` as written where that rule times it so (a NeMo or
     lhotse row: ``offset + duration`` summed in floats is not what either tool reads).
 
+    Example:
+        >>> row_span({"audio_filepath": "a.wav", "duration": 0.30007})
+        Span(start=0.0, end=0.30007, channel=None, rule=<SampleRule.NEMO: 'nemo'>, duration=0.30007)
+        >>> row_span({"audio_filepath": "a.wav", "duration": 0}) is None  # NeMo: to the end
+        True
+
     Raises:
-        BadRow: a bad start, end, duration or channel, or ``start >= end``.
+        BadRow: a bad start, offset, end, duration or channel, or ``start >= end``.
     """
     rule = row_rule(fields)
-    timed = rule is not SampleRule.NEAREST and has_value(fields, "duration")
-    duration = seconds(fields["duration"], "duration") if timed else None
+    duration = row_duration(fields, rule)
     channel = channel_of(fields.get("channel"))
     return span_of(start_of(fields), end_of(fields), channel, rule, duration)
+
+
+def row_duration(fields: Mapping[str, Any], rule: SampleRule) -> float | None:
+    """The ``duration`` a row's samples are counted from by ``rule``, as written: lhotse's
+    seconds, NeMo's read (:func:`nemo_duration`: None where it reads to the end); None for a
+    row timed by its ``end`` (or not at all: a ``duration`` there is a label).
+
+    Raises:
+        BadRow: the duration is not seconds.
+    """
+    if rule is SampleRule.NEMO:
+        return nemo_duration(fields.get("duration"))
+    if rule is SampleRule.LHOTSE:
+        return seconds(fields["duration"], "duration")
+    return None
 
 
 def manifest_item(
@@ -331,9 +407,28 @@ def manifest_item(
     file = input_file(fields[column], base, column)
     span = row_span(fields)
     ident = fields.get("id")
-    ident = segment_id(fields[column], span) if ident in (None, "") else str(ident)
+    named = segment_id(fields[column], named_span(fields, span)) if ident in (None, "") else ident
     carried = {k: v for k, v in fields.items() if k != column and k not in OWN_COLUMNS}
-    return ident, Item(file, span, where, carried)
+    return str(named), Item(file, span, where, carried)
+
+
+def named_span(fields: Mapping[str, Any], span: Span | None) -> Span | None:
+    """The span a row's default id names (:func:`segment_id`): its own, but a NeMo row without
+    an ``offset`` is named as its file (``@chN`` kept), however much of it its ``duration``
+    reads: NeMo's manifests list a file's row by its path and a duration, and its id stays
+    the path as written whatever the duration (a loader's state names the items by id).
+
+    Example:
+        >>> nemo = {"audio_filepath": "a.wav", "duration": 2.5}
+        >>> segment_id("a.wav", named_span(nemo, row_span(nemo)))
+        'a.wav'
+        >>> offset = {**nemo, "offset": 0}
+        >>> segment_id("a.wav", named_span(offset, row_span(offset)))
+        'a.wav#0.0-2.5'
+    """
+    if span is None or span.rule is not SampleRule.NEMO or has_value(fields, "offset"):
+        return span
+    return span_of(None, None, span.channel)
 
 
 # == row_inputs ====================================================================================

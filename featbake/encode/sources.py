@@ -109,7 +109,8 @@ class SampleRule(Enum):
     LHOTSE = "lhotse"
     #: NeMo's ``AudioSegment.from_file``: ``seek(int(offset * rate))`` then
     #: ``read(int(duration * rate))``, the offset and the duration each truncated (a row at
-    #: offset 1.23456 s, 16 kHz, starts on sample 19,752, where ``round`` gives 19,753).
+    #: offset 1.23456 s, 16 kHz, starts on sample 19,752, where ``round`` gives 19,753); a
+    #: read past the file's end stops at it, as soundfile's does (a duration rounded up).
     NEMO = "nemo"
 
 
@@ -177,7 +178,8 @@ class Span(NamedTuple):
     def frames(self, rate: int, total: int) -> tuple[int, int]:
         """The first and the past-the-last sample at ``rate``, by the span's :class:`SampleRule`,
         at the file's own rate; ``total`` (the recording's samples) for a span that runs to the
-        end.
+        end, and where a NeMo span's read stops (a ``duration`` past the end: NeMo reads to
+        it; ``total`` negative, not known: its end as counted).
 
         Example:
             >>> Span(1.5, 2.0).frames(16000, 96000)
@@ -189,20 +191,24 @@ class Span(NamedTuple):
             ((27562, 35280), (27563, 35281))
             >>> Span(1.23456, 3.33456, None, SampleRule.NEMO, 2.1).frames(16000, 96000)
             (19752, 53352)
+            >>> Span(0.0, 6.01, None, SampleRule.NEMO, 6.01).frames(16000, 96000)  # read to 6 s
+            (0, 96000)
         """
         if self.rule is SampleRule.NEAREST:
             return round(self.start * rate), total if self.to_end else round(self.end * rate)
         length = None if self.to_end else self.duration or self.end - self.start
         counted = lhotse_bounds if self.rule is SampleRule.LHOTSE else nemo_bounds
         first, last = counted(self.start, length, rate)
-        return first, total if last is None else last
+        if last is None:
+            return first, total
+        return first, min(last, total) if self.rule is SampleRule.NEMO and total >= 0 else last
 
 
 def span_problem(span: Span, frames: int, rate: int, channels: int) -> str | None:
     """Why ``span`` is not part of a recording of ``frames`` samples at ``rate`` with
     ``channels`` channels, or None when it is (checked from the file's header alone)."""
     first, last = span.frames(rate, frames)
-    if span.to_end and first >= last:
+    if first >= last and (span.to_end or first >= frames):  # a NeMo read stops at the end
         return (
             f"the segment starts at {span.start} s, at or past the end of its recording "
             f"({frames / rate:.3f} s); fix its start"

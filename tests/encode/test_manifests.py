@@ -24,7 +24,7 @@ import sys
 import time
 import tracemalloc
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ import torch
 import zarr
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import featbake.store.byteplace as byteplace
 from featbake.bake.pipeline import build
@@ -51,7 +52,7 @@ from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.objects import ObjectStore
 from featbake.store.url import BucketURL
-from featbake.testing import make_tone, write_audio_folder
+from featbake.testing import make_tone, save_torchscript, write_audio_folder
 from tests.conftest import REPO, invoke, live_features, run_cli
 from tests.helpers import held_by_a_thread, manifest, printed, put_many, stored_features
 from tests.store.bucket.conftest import S3
@@ -1693,9 +1694,10 @@ def test_a_nemo_manifest_serves_each_row_from_its_offset_for_its_duration(
     """NeMo's manifests (`train_manifest.json`: JSON lines of `audio_filepath`, `offset`,
     `duration`, `text`) time a row by `offset` and `duration`: an `offset` (0 too) makes the row
     the segment `[offset, offset + duration)` (no duration: to the end), and a row without one
-    is the whole file, its `duration` a label. Before, `--data train_manifest.json` was read as
-    a folder that does not exist, and the same rows in a `.jsonl` were each served whole,
-    their offset carried as a label: features of the wrong audio, said nowhere."""
+    is read from 0 for its `duration` (here the file's: the whole file). Before,
+    `--data train_manifest.json` was read as a folder that does not exist, and the same rows in
+    a `.jsonl` were each served whole, their offset carried as a label: features of the wrong
+    audio, said nowhere."""
     long = long_recording(tmp_path / "long.wav", 4, 16000, seed=11)
     rows = [
         {"audio_filepath": "long.wav", "offset": 1.0, "duration": 0.5, "text": "a"},
@@ -1719,6 +1721,118 @@ def test_a_nemo_manifest_serves_each_row_from_its_offset_for_its_duration(
     whole.write_text(json.dumps(rows, indent=2))
     with pytest.raises(SourceError, match="is not JSON lines"):
         build(whole, encoder_file, cache=store_dir, workers=0, column="audio_filepath")
+
+
+class SamplesFed(nn.Module):
+    """``[B, T]`` -> ``[B, T, 1]``: the features are the samples fed, exactly."""
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        return wav.unsqueeze(-1)
+
+
+def noise_file(path: Path, seconds: float, seed: int) -> Path:
+    """``seconds`` of seeded noise at :data:`RATE` as float32 WAV (read back bit for bit)."""
+    shape = (round(seconds * RATE), 1)
+    soundfile.write(path, np.random.default_rng(seed).uniform(-0.9, 0.9, shape), RATE, "FLOAT")
+    return path
+
+
+def nemo_reads(file: Path, offset: float, duration: float) -> np.ndarray:
+    """The samples NeMo's ``AudioSegment.from_file`` reads for a row, by its rule, with
+    soundfile alone: from ``int(offset * rate)`` where the offset is above 0, then
+    ``int(duration * rate)`` samples where the duration is above 0 (fewer at the file's end),
+    else to the end."""
+    rate = soundfile.info(str(file)).samplerate
+    start = int(offset * rate) if offset > 0 else 0
+    frames = int(duration * rate) if duration > 0 else -1
+    audio, _ = soundfile.read(str(file), frames=frames, start=start, dtype="float32")
+    return audio
+
+
+def served_samples(ds: CachedFeatureDataset, i: int) -> np.ndarray:
+    """Item ``i`` as served by a :class:`SamplesFed` store: the samples featbake read."""
+    return ds[i][:, 0].numpy()
+
+
+#: A NeMo row made by :func:`nemo_store`: (its file, the file's seconds, offset or None, duration).
+NemoRow = tuple[str, float, float | None, float]
+
+
+def nemo_store(tmp_path: Path, store: Path, rows: Sequence[NemoRow]) -> CachedFeatureDataset:
+    """Build a NeMo manifest of ``rows`` (one file of noise per row) with a :class:`SamplesFed`
+    encoder; the dataset serving it, each row checked equal to what NeMo's rule reads."""
+    encoder = save_torchscript(SamplesFed(), tmp_path / "samples.pt")
+    lines = []
+    for k, (name, secs, offset, duration) in enumerate(rows):
+        noise_file(tmp_path / name, secs, seed=40 + k)
+        row = {"audio_filepath": name, "duration": duration, "text": f"t{k}"}
+        lines.append(row if offset is None else {**row, "offset": offset})
+    m = write_jsonl(tmp_path / "train_manifest.json", lines)
+    report = build(m, encoder, cache=store, workers=0, column="audio_filepath")
+    assert (report.encoded, report.failed) == (len(rows), [])
+    ds = quiet_dataset(m, encoder, store, on_miss="error", column="audio_filepath")
+    for i, (name, _, offset, duration) in enumerate(rows):
+        want = nemo_reads(tmp_path / name, offset or 0.0, duration)
+        np.testing.assert_array_equal(served_samples(ds, i), want, err_msg=f"row {i}")
+        assert ds.row(i)["text"] == f"t{i}"
+    return ds
+
+
+def test_a_nemo_row_without_an_offset_is_read_for_its_duration_from_0(
+    tmp_path: Path, store_dir: Path
+) -> None:
+    """NeMo's datasets pass every manifest row's ``duration`` to ``AudioSegment.from_file``,
+    with ``offset=0`` where the row has none: it reads ``int(duration * rate)`` samples from
+    the file's start, truncated (0.30007 s at 16 kHz: 4,801 of 4,801.12; 0.30004 s: 4,800 of
+    4,800.64, where the nearest sample would read 4,801). Before, a ``duration`` without an
+    ``offset`` was taken for a label and each row was served its whole file (16,000, 16,000
+    and 32,000 samples). The ids stay the paths as written, as NeMo lists a file's row."""
+    rows = [("a.wav", 1.0, None, 0.30007), ("b.wav", 1.0, None, 0.30004), ("c.wav", 2.0, None, 1.5)]
+    ds = nemo_store(tmp_path, store_dir, rows)
+    assert [len(served_samples(ds, i)) for i in range(3)] == [4801, 4800, 24000]
+    assert [ds.item_id(i) for i in range(3)] == ["a.wav", "b.wav", "c.wav"]
+
+
+def test_a_nemo_duration_of_0_or_less_reads_to_the_end_from_the_offset(
+    tmp_path: Path, store_dir: Path
+) -> None:
+    """NeMo's ``AudioSegment.from_file`` reads to the file's end where ``duration > 0`` does
+    not hold (``duration: 0``, or below), from ``int(offset * rate)`` where the row has an
+    offset. Before, ``duration: 0`` at an offset was a bad row ("start 0.5 is not before end
+    0.5") and a negative one was refused ("not a time in the recording"): the build failed
+    them; ``duration: 0`` without an offset was served whole (NeMo's read, by luck)."""
+    rows = [("d.wav", 1.5, None, 0), ("e.wav", 2.0, 0.5, 0), ("f.wav", 1.0, 0.25, -1)]
+    ds = nemo_store(tmp_path, store_dir, rows)
+    assert [len(served_samples(ds, i)) for i in range(3)] == [24000, 24000, 12000]
+    assert [ds.item_id(i) for i in range(3)] == ["d.wav", "e.wav#0.5-inf", "f.wav#0.25-inf"]
+
+
+def test_a_nemo_read_past_its_files_end_stops_there_as_nemos_does(
+    tmp_path: Path, store_dir: Path
+) -> None:
+    """NeMo's ``read(int(duration * rate))`` stops at the file's end (soundfile reads what is
+    there): a whole-file row whose ``duration`` was rounded up (2.01 s for a 2 s file) is the
+    whole file, keyed as the file; a row at an offset whose duration runs past the end is the
+    rest of the file. Before, the offset row was refused ("ends past the end of its
+    recording"): built, it failed; an offset past the end is still refused, naming its start."""
+    encoder = save_torchscript(SamplesFed(), tmp_path / "samples.pt")
+    long = noise_file(tmp_path / "long.wav", 2.0, seed=50)
+    rows = [
+        {"audio_filepath": "long.wav", "duration": 2.01, "text": "whole"},
+        {"audio_filepath": "long.wav", "offset": 1.5, "duration": 1.0, "text": "rest"},
+        {"audio_filepath": "long.wav", "offset": 2.5, "duration": 1.0, "text": "past"},
+    ]
+    m = write_jsonl(tmp_path / "train_manifest.json", rows)
+    report = build(m, encoder, cache=store_dir, workers=0, column="audio_filepath")
+    assert (report.encoded, len(report.failed)) == (2, 1), report.failed
+    assert "starts at 2.5 s, at or past the end of its recording" in str(report.failed[0])
+    ds = quiet_dataset(m, encoder, store_dir, on_miss="error", column="audio_filepath")
+    for i, (offset, duration) in enumerate([(0.0, 2.01), (1.5, 1.0)]):
+        want = nemo_reads(long, offset, duration)
+        np.testing.assert_array_equal(served_samples(ds, i), want, err_msg=f"row {i}")
+    assert [len(served_samples(ds, i)) for i in range(2)] == [32000, 8000]
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"path": "long.wav"}])
+    assert ds.key(0) == quiet_dataset(plain, encoder, store_dir, on_miss="error").key(0)
 
 
 def test_a_damaged_gzip_manifest_is_one_line_and_nan_first_rows_are_rows(
