@@ -165,6 +165,11 @@ class Transient(Exception):
     """A read cut short, or an answer that did not come in time: worth trying again."""
 
 
+class PutAgain(Transient):
+    """An object put again between two requests of one read (a later GET's condition failed,
+    the generation it pinned gone): read again whole."""
+
+
 class TriesSpent(Transient):
     """A read asked for the same bytes :data:`DOWNLOAD_TRIES` times, counting the client's own
     tries (:meth:`ObjectStore.tries_counted`): not tried again."""
@@ -531,14 +536,28 @@ class ObjectStore(ProcessLocalState):
                 except TriesSpent as e:
                     last = last or e
                     break
+                except PutAgain as e:
+                    last = e
+                    time.sleep(0.1 * 2**attempt * backoff_scale())
                 except Transient as e:
                     last = e.__cause__ or e
                     time.sleep(0.1 * 2**attempt * backoff_scale())
-        raise StoreError(
-            f"cannot download {self.where(name)} after {DOWNLOAD_TRIES} tries "
-            f"({redact(str(last))}); check the network and the endpoint ({self.ENDPOINT_HINT}), "
-            "then run this again"
-        ) from last
+        raise StoreError(self.not_downloaded(name, last)) from last
+
+    def not_downloaded(self, name: str, last: BaseException | None) -> str:
+        """Why :meth:`_tried` gave up on ``name``, and what to do: where the object was put
+        again during each read, whoever writes it (another node, a sync), not the network."""
+        tries = f"after {DOWNLOAD_TRIES} tries"
+        if isinstance(last, PutAgain):
+            return (
+                f"cannot download {self.where(name)} {tries}: it was put again during each "
+                "read (something is writing it over and over: another build, a sync job); stop "
+                "that writer or wait for it to finish, then run this again"
+            )
+        return (
+            f"cannot download {self.where(name)} {tries} ({redact(str(last))}); check the "
+            f"network and the endpoint ({self.ENDPOINT_HINT}), then run this again"
+        )
 
     # -- writes ----------------------------------------------------------------------------------
     def upload(self, name: str, src: Path, *, create: bool = False) -> bool:
@@ -1310,7 +1329,7 @@ class GCSObjects(ObjectStore):
         try:
             yield
         except gx.NotFound:
-            raise Transient(f"{self.where(name)} was put again while it was read") from None
+            raise PutAgain(f"{self.where(name)} was put again while it was read") from None
 
     def get_once(self, name: str, start: int = 0, length: int | None = None) -> ObjectBytes:
         info = self._read_head(name)
@@ -1657,7 +1676,7 @@ class AzureObjects(ObjectStore):
         except zx.HttpResponseError as e:
             if e.status_code != 412 and azure_error_code(e) != "ConditionNotMet":
                 raise
-            raise Transient(f"{self.where(name)} was put again while it was read") from None
+            raise PutAgain(f"{self.where(name)} was put again while it was read") from None
 
     def get_once(self, name: str, start: int = 0, length: int | None = None) -> ObjectBytes:
         blob = self.client.get_blob_client(self.key(name))

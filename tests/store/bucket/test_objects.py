@@ -625,6 +625,35 @@ def test_an_object_put_again_with_its_bytes_mid_read_reads_whole_on_every_place(
     assert info is not None and got.info.etag == info.etag and got.data == data
 
 
+@pytest.mark.parametrize("place", ["az", "gs"], indirect=True)
+def test_an_object_put_again_at_every_read_fails_naming_the_writer_not_the_network(
+    place: Remote | S3, tmp_path: Path, proxied: Callable[..., DroppingProxy]
+) -> None:
+    """Something puts an object again before every GET of it (a sync job looping over the
+    bucket): each of a read's tries meets a new version and the read gives up in one line
+    that says so. Before, the line said to check the network and the endpoint, which were
+    fine. s3 reads in one GET: nothing is put again mid-read there."""
+    from featbake.store.objects import AZURE_GET_BYTES
+
+    data = os.urandom(2 * AZURE_GET_BYTES + 12_345)
+    src = tmp_path / "shard.bin"
+    src.write_bytes(data)
+    name = "shards/ab/ef.safetensors"
+    other = store_of(place)
+    assert other.upload(name, src)
+    key = BucketURL.parse(place.url).key(name)
+
+    def every_get_puts_again(asked: Asked) -> bool:
+        if asked.method == "GET" and asked.names(key):
+            assert other.upload(name, src)
+        return False
+
+    proxied(refuse=every_get_puts_again)
+    with pytest.raises(StoreError, match="was put again during each read") as e:
+        store_of(place).read(name)
+    assert "\n" not in str(e.value) and "check the network" not in str(e.value)
+
+
 @pytest.mark.parametrize("place", ["az"], indirect=True)
 def test_an_azure_put_answered_condition_not_met_is_a_race_lost(
     place: Remote | S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
