@@ -253,6 +253,15 @@ def held_attribute_text(module: Any, value: Any, *, exact: bool, key: str = "") 
 WATCHED_ARRAY_BYTES = 64 << 10
 
 
+def _hashed_at_each_read(value: torch.Tensor | np.ndarray) -> bool:
+    """Whether a global array or tensor is hashed at each of a watch's reads, not trusted
+    while its stamp holds: a numpy array (it keeps no version: ``WIN[0] = 3`` shows only in
+    its bytes) or a CPU tensor (``torch.from_numpy``'s, edited through numpy, moves no
+    version) of up to :data:`WATCHED_ARRAY_BYTES`, as a held array attribute is."""
+    small = value.nbytes <= WATCHED_ARRAY_BYTES
+    return small and (isinstance(value, np.ndarray) or value.device.type == "cpu")
+
+
 class _TreeIds(Container[int]):
     """The ids of a module's submodules and tensors, listed at the first question: most held
     values hold none, and a watch reads them at every forward of a large tree."""
@@ -429,6 +438,9 @@ _METHOD_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 HELD_VALUES = 512
 HELD_DEPTH = 8
 
+#: What a reading past :data:`HELD_VALUES` or :data:`HELD_DEPTH` says of a value.
+TOO_LARGE = "a value too large or too deeply nested to key"
+
 #: Values keyed by their value as they are (numpy scalars by their Python value).
 _PLAIN_HELD = (bool, int, float, complex, str, bytes, type(None))
 
@@ -491,7 +503,9 @@ class HeldReading:
     ``tensors``: a tensor or array not in ``own`` read by its values, and a module by its
     state (as global ones are), instead of refused, for a module's own attribute: a
     ``SimpleNamespace``, dataclass or object of its holding global CMVN statistics, or an
-    adapter network, changes its outputs as a buffer or submodule does."""
+    adapter network, changes its outputs as a buffer or submodule does. ``per_global``: each
+    global read against a :data:`HELD_VALUES` of its own (a module's forward,
+    :func:`forward_globals`: a large table left unkeyed leaves the settings beside it keyed)."""
 
     def __init__(
         self,
@@ -499,10 +513,12 @@ class HeldReading:
         exact: bool = False,
         tensors: bool = False,
         written: frozenset[str] = frozenset(),
+        per_global: bool = False,
     ) -> None:
         self.own = own
         self.exact = exact
         self.tensors = tensors
+        self.per_global = per_global  # each global read its own HELD_VALUES (a forward's)
         self.written = written  # names a module's forward sets on the objects read here
         self.refused: list[str] = []
         self._path: set[int] = set()
@@ -514,7 +530,7 @@ class HeldReading:
         """``value`` as a key reads it (``name``: what holds it, for :attr:`refused`)."""
         self._count += 1
         if self._count > HELD_VALUES or depth > HELD_DEPTH:
-            return self._refuse(name, "a value too large or too deeply nested to key")
+            return self._refuse(name, TOO_LARGE)
         if type(value) in _PLAIN_TYPES or isinstance(value, _PLAIN_HELD):
             return repr(value)
         if isinstance(value, np.generic):
@@ -526,6 +542,18 @@ class HeldReading:
             return self._compound(value, name, depth + 1)
         finally:
             self._path.discard(id(value))
+
+    def _items(self, items: Iterable[tuple[Any, ...]], name: str, depth: int) -> list[str]:
+        """A container's items (each a value, or a key and its value) as texts, in order,
+        the walk stopped at the first past :data:`HELD_VALUES` (refused once, not once per
+        item left: a table of 100,000 entries is not read whole to say it is too large)."""
+        out = []
+        for item in items:
+            if self._count >= HELD_VALUES:
+                out.append(self._refuse(name, TOO_LARGE))
+                break
+            out.append(":".join(self.text(part, name, depth) for part in item))
+        return out
 
     def _refuse(self, name: str, what: str) -> str:
         self.refused.append(f"{name or 'a value'} ({what})")
@@ -565,13 +593,11 @@ class HeldReading:
         if isinstance(value, _WEIGHTS):
             return self._weights(value, name)
         if isinstance(value, (tuple, list, set, frozenset, collections.deque)):
-            items = [self.text(v, name, depth) for v in value]
+            items = self._items(((v,) for v in value), name, depth)
             ordered = sorted(items) if isinstance(value, (set, frozenset)) else items
             return f"{type(value).__name__}[{','.join(ordered)}]"
         if isinstance(value, (dict, types.MappingProxyType)):
-            rows = [
-                f"{self.text(k, name, depth)}:{self.text(v, name, depth)}" for k, v in value.items()
-            ]
+            rows = self._items(value.items(), name, depth)
             return f"{type(value).__name__}[{','.join(rows)}]"  # in order: a hook may iterate it
         if inspect.ismethod(value):
             return f"method({self._method(value, name, depth)})"
@@ -732,11 +758,14 @@ class HeldReading:
         globals in turn, so a setting a helper reads is keyed as one the hook reads (recursion
         reads as ``<cycle>``, a chain past :data:`HELD_DEPTH` is refused). A tensor or module
         met inside what a global holds is keyed as a global one (:meth:`_weights`)."""
+        fresh = self.per_global and not self._in_global
+        counted, self._count = self._count, 0 if fresh else self._count
         self._in_global += 1
         try:
             return self._global_value(name, value, code, depth)
         finally:
             self._in_global -= 1
+            self._count = counted if fresh else self._count
 
     def _global_value(self, name: str, value: Any, code: Any, depth: int) -> str | None:
         """:meth:`_global`, inside the count of globals being read."""
@@ -825,7 +854,8 @@ class HeldReading:
             return self._refuse(name, "an array of Python objects")
         if isinstance(value, torch.Tensor) and not _dense(value):
             return self._refuse(name, "a sparse, meta, quantized or nested tensor")
-        return f"{type(value).__name__}({global_tensor_digest(value, exact=self.exact)})"
+        exact = self.exact or _hashed_at_each_read(value)
+        return f"{type(value).__name__}({global_tensor_digest(value, exact=exact)})"
 
     def _read_before(self, value: Any) -> bool:
         """Whether ``value``, a global's container or object (no plain value: those cost one
@@ -1246,15 +1276,20 @@ def _names_read(code: Any, parts: list[str], how: Read) -> tuple[str, ...] | Non
     """:func:`names_read`, made anew: None where no use is seen (reached by ``getattr``, or
     through a local: :func:`reached_otherwise`)."""
     names: set[str] = set()
+    written: set[str] = set()
     if reached_otherwise(code, parts):
         return None
     for ins, start, end in _chain_sites(code, parts):
-        if how is Read.BY_FIELD and sets_a_field(ins, end):
-            continue  # ``MONITOR.last = v``: a field written, none read
+        field = field_written(ins, end) if how is Read.BY_FIELD else None
+        if field is not None:
+            written.add(field)  # ``MONITOR.last = v``, ``STATS.calls += 1``: the code's own
+            continue
         read = _name_read(ins, start, end, how)
         if read is None:
             return None
         names.add(read)
+    if written:  # a field it writes is its own, read back or not (``written_below``'s rule)
+        return tuple(sorted(names - written))
     return tuple(sorted(names)) if names else None
 
 
@@ -1294,12 +1329,23 @@ def _chain_end(ins: list[Any], i: int, parts: list[str]) -> int | None:
 
 
 def sets_a_field(ins: list[Any], i: int) -> bool:
-    """Whether the value loaded at ``ins[i]`` has a field set or deleted on it right after
-    (``shared.MONITOR.last = v``): a global object a forward notes a value on, which it
-    reads nothing of there. Only a global's: an object a module holds under an attribute is
-    read by :func:`~featbake.keys.written_below`, which keeps what a subclass reads of it."""
-    after = ins[i + 1] if i + 1 < len(ins) else None
-    return after is not None and after.opname in ("STORE_ATTR", "DELETE_ATTR")
+    """Whether the value loaded at ``ins[i]`` has a field set, bumped or deleted on it right
+    after (:func:`field_written`)."""
+    return field_written(ins, i) is not None
+
+
+def field_written(ins: list[Any], i: int) -> str | None:
+    """The field the value loaded at ``ins[i]`` has set or deleted on it right after
+    (``shared.MONITOR.last = v``), or bumped in place (``STATS.calls += 1``: the value
+    copied, the field loaded, then stored), or None: a global object a forward notes a value
+    on, which it reads nothing of there but that field's own old value. Only a global's: an
+    object a module holds under an attribute is read by
+    :func:`~featbake.keys.written_below`, which keeps what a subclass reads of it."""
+    after = ins[i + 1 : i + 3]
+    if after and after[0].opname in ("STORE_ATTR", "DELETE_ATTR"):
+        return str(after[0].argval)
+    bumped = [o.opname for o in after] == ["COPY", "LOAD_ATTR"] and after[0].argval == 1
+    return str(after[1].argval) if bumped else None
 
 
 def _name_read(ins: list[Any], start: int, end: int, how: Read) -> str | None:
@@ -1879,11 +1925,15 @@ TAKEN_FROM_SYS_MODULES = (
 def _holds_importer(value: Any) -> bool:
     """Whether a global is ``importlib.import_module`` or ``__import__`` under another name
     (``IMPORT = importlib.import_module``), or a plain container holding one: what it imports
-    no reading knows (:data:`IMPORTED_AT_RUN_TIME`)."""
+    no reading knows (:data:`IMPORTED_AT_RUN_TIME`). A container past :data:`HELD_VALUES`
+    items is not looked through (a reading refuses it as too large): a watch asks at each
+    forward, and a vocabulary of 100,000 entries cost 200 ms a call."""
     importers = (importlib.import_module, __import__)
     if type(value) in (list, tuple, set, frozenset, dict):
-        items = list(value.values()) if isinstance(value, dict) else list(value)
-        return any(any(v is f for f in importers) for v in items)
+        if len(value) > HELD_VALUES:
+            return False
+        items = value.values() if isinstance(value, dict) else value
+        return any(v is f for v in items for f in importers)
     return any(value is f for f in importers)
 
 
@@ -2244,15 +2294,17 @@ def forward_functions(module: Any) -> tuple[Any, ...]:
     """The functions whose globals a module's key reads (:func:`forward_globals`): the
     ``forward`` of each submodule's class of the user's (:func:`reads_held_attributes`: a
     library's classes read library globals, versioned by the library) and every method of
-    that class it reaches by name (:func:`reached_methods`: ``self.scale(x)``, a base class's
-    ``forward`` through ``super()``), each once, in the tree's order. An instance's own
+    that class it reaches by name (:func:`reached_methods`: ``self.scale(x)``), and the
+    ``forward`` of each base class of the user's (``super().forward(x)``) with what it reaches,
+    each once, in the tree's order. An instance's own
     ``forward`` is read otherwise (refused while it differs)."""
     found: dict[Any, None] = {}
     subs = module.modules() if hasattr(module, "modules") else [module]
     for cls in dict.fromkeys(type(sub) for sub in subs if reads_held_attributes(sub)):
-        forward = method_function(inspect.getattr_static(cls, "forward", None))
-        if inspect.isfunction(forward):
-            found.update(dict.fromkeys(reached_methods(forward, cls)))
+        for klass in cls.__mro__:  # a base class's forward, run through super().forward()
+            forward = method_function(vars(klass).get("forward"))
+            if inspect.isfunction(forward) and not is_library_code(klass):
+                found.update(dict.fromkeys(reached_methods(forward, cls)))
     return tuple(found)
 
 
@@ -2276,7 +2328,7 @@ def forward_globals(module: Any, *, exact: bool, functions: Iterable[Any] | None
         ''
     """
     functions = forward_functions(module) if functions is None else functions
-    reading = HeldReading(_TreeIds(module), exact=exact)
+    reading = HeldReading(_TreeIds(module), exact=exact, per_global=True)
     rows = []
     for func in functions:
         read = reading.globals_read(func)

@@ -35,12 +35,15 @@ _PACKAGE = "fwdglobals"
 
 _SHARED = """
 import types
+import numpy as np
 import torch
 
 STATE = types.SimpleNamespace(scale=2.0)
 GAIN = {"g": 1.0}
 WINDOW = torch.tensor([2.0, 1.0])
+ARRAY = np.array([2.0, 1.0])
 MONITOR = types.SimpleNamespace(last=None)
+STATS = types.SimpleNamespace(calls=0, total=0.0)
 SEEN = []
 
 
@@ -100,6 +103,30 @@ class HoldsAReader(TinyConvEncoder):
         return self.post(super().forward(wav))
 
 
+class ReadsAnArray(TinyConvEncoder):
+    def forward(self, wav):
+        return super().forward(wav) * float(shared.ARRAY[0])
+
+
+class Base(ReadsASetting):
+    pass
+
+
+class ThroughSuper(Base):
+    def forward(self, wav):
+        return super().forward(wav) + 1.0
+
+
+EMBEDDINGS = {f"tok{i}": 1.0 for i in range(1000)}
+
+
+class LooksUpBesideASetting(TinyConvEncoder):
+    word = "tok5"
+
+    def forward(self, wav):
+        return super().forward(wav) * EMBEDDINGS[self.word] * SCALE
+
+
 class Records(TinyConvEncoder):
     def forward(self, wav):
         global CALLS
@@ -107,6 +134,8 @@ class Records(TinyConvEncoder):
         CALLS += 1
         shared.SEEN.append(1)
         shared.MONITOR.last = out.detach().mean()
+        shared.STATS.calls += 1
+        shared.STATS.total = shared.STATS.total + 1.0
         return out
 """
 
@@ -140,6 +169,10 @@ CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
     "global-of-its-own-file-bound-anew": ("ReadsItsFilesGlobal", lambda m: setattr(m, "SCALE", 4)),
     "read-by-a-method-it-calls": ("ScalesInAMethod", _gain),
     "read-by-a-submodule-of-the-users": ("HoldsAReader", _setting),
+    # A second review of r24.1's first form: each of these was still served stale.
+    "read-by-a-base-class-forward-through-super": ("ThroughSuper", _setting),
+    "beside-a-table-too-large-to-key": ("LooksUpBesideASetting", lambda m: setattr(m, "SCALE", 4)),
+    "global-array-edited-in-place": ("ReadsAnArray", lambda m: m.shared.ARRAY.__setitem__(0, 3.0)),
 }
 
 
@@ -188,10 +221,12 @@ def test_a_global_changed_after_the_dataset_was_made_refuses_its_misses_in_one_l
 def test_a_forward_recording_into_globals_keeps_its_key(
     package: ModuleType, tmp_path: Path, audio_dir: Path
 ) -> None:
-    """A forward that bumps a counter of its file, appends to a global list and sets a value
-    on a global object it never reads back changes nothing it returns: a dataset made after
-    it ran serves every item from the store (``on_miss="error"``), and a second pass of one
-    ``CachedEncoder`` is all hits."""
+    """A forward that bumps a counter of its file, appends to a global list, sets a value on
+    a global object it never reads back and bumps fields of another (``STATS.calls += 1``,
+    ``STATS.total = STATS.total + 1``) changes nothing it returns: a dataset made after it
+    ran serves every item from the store (``on_miss="error"``), and a second pass of one
+    ``CachedEncoder`` is all hits. r24.1's first form read the bumped fields: a dataset
+    refused its second miss as a changed module."""
     module = frozen(package.Records())
     before = from_module(module).fingerprint
     x = waves(2)
