@@ -24,9 +24,23 @@ that matches (:class:`DeclaredAudio`). Not refused: a Hub dataset declares its f
 rate (Common Voice: 48 kHz) where a training loop casts it to the encoder's, as this build
 resamples it.
 
-**Bad rows**: a null cell, a cell without bytes, a table file whose column holds neither bytes
-nor an Audio/Image struct; each is one line naming the file and row, skipped, and the build
-exits 3.
+**Path-only cells.** ``Dataset.to_parquet`` (and ``save_to_disk``) of a dataset made from local
+files (``cast_column("audio", Audio())`` over paths) writes each Audio/Image cell as
+``{"bytes": null, "path": "clips/a.wav"}``; ``datasets`` then reads the file at the path when it
+decodes the row (``Audio.decode_example``: no bytes, a local path, the file opened as named, so a
+relative path from the working directory). A local table's such cell is read from that file:
+its path absolute as written, a relative one taken from the working directory first (where
+``datasets`` reads it) and, where no file is there, from the table file's own folder (where a
+table written beside its clips, ``data.parquet`` next to ``clips/``, keeps working from any
+directory; huggingface/datasets#7313). Its key is the file's SHA-256, as the same file's in a
+folder, through the hash cache by the file's own path and stat (a clip rewritten behind an
+unchanged table is read again: no stale digest), and it is decoded from that file, checked
+unchanged since it was hashed. A path that names no file is a bad row naming the path, where
+it was looked for, and the row. A bucket's table's path-only cells are refused (bad rows).
+
+**Bad rows**: a null cell, a cell with neither bytes nor a path, a path-only cell whose file is
+missing, a table file whose column holds neither bytes nor an Audio/Image struct; each is one
+line naming the file and row, skipped, and the build exits 3.
 
 The bytes are read by the store's one table reader (``featbake.store.containers.TableFile``,
 which ``verify`` reads them with too) through the byte seam (``featbake.store.byteplace``: a
@@ -37,6 +51,7 @@ digests through the hash cache, and tensors.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -44,6 +59,7 @@ import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, NamedTuple, cast
+from urllib.parse import urlparse
 
 from featbake.encode.fingerprints import (
     Digester,
@@ -51,13 +67,14 @@ from featbake.encode.fingerprints import (
     ItemRef,
     containers_of,
     digest_here,
+    hash_inputs,
     hash_listed,
 )
 from featbake.encode.sources import ScanResult, SkippedInput, Source
 from featbake.errors import SourceError, first_line
 from featbake.progress import Progress
 from featbake.recipe import Recipe
-from featbake.store.byteplace import bytes_at, object_head
+from featbake.store.byteplace import Whole, bytes_at, object_head
 from featbake.store.containers import (
     ARROW_READ_ERRORS,
     CellKind,
@@ -67,6 +84,7 @@ from featbake.store.containers import (
     cell_bytes,
     cell_digests,
     cell_kind,
+    path_only_cell,
     pyarrow_module,
     refuse_mixed_schemas,
     replaced_files,
@@ -450,19 +468,69 @@ class Table:
         (see :func:`hash_items`); a row's entry is keyed by its name and the column. ``held``
         keeps the cells' bytes, for the build to decode. The files to read are read by
         ``digester``'s container reader (default: here, file after file; an engine's: on its
-        cluster, each file's :class:`CellReading`)."""
+        cluster, each file's :class:`CellReading`). A local table's path-only cells are the
+        files they name, hashed as a folder's files are (:func:`hash_linked`)."""
         files = {p: split_item_path(p) for p in paths}
         replaced = self.replaced({file for file, _ in files.values()})
+        linked, refused = self.linked_cells([p for p, (f, _) in files.items() if f not in replaced])
         refs = [
             ItemRef(p, f"{p}:{self.column}", file, int(row))
             for p, (file, row) in files.items()
-            if file not in replaced
+            if file not in replaced and p not in linked and p not in refused
         ]
+        total = len(refs) + len(set(linked.values()))
         digests, failed = hash_listed(
-            self, catalog, refs, self.reading, progress, stats, held, containers_of(digester)
-        )
+            self, catalog, refs, self.reading, counted(progress, 0, total), stats, held,
+            containers_of(digester),
+        )  # fmt: skip
+        if linked:
+            got, bad = hash_linked(
+                catalog, linked, counted(progress, len(refs), total), stats, held, digester
+            )
+            digests.update(got)
+            failed.update(bad)
+        failed.update(refused)
         failed.update({p: replaced[file] for p, (file, _) in files.items() if file in replaced})
         return digests, failed
+
+    def linked_cells(self, paths: Sequence[str]) -> tuple[dict[str, str], dict[str, str]]:
+        """(cell -> the file it names, cell -> why not) for each of the cells ``paths`` that
+        holds a path and no bytes (see the section's comment), read through the reader the
+        scan opened (the version whose rows the ids are); the others are left to the cell
+        reading. A local table's only: a bucket's path-only cells fail by the cell rule."""
+        linked: dict[str, str] = {}
+        refused: dict[str, str] = {}
+        if self.remote or self.text or self.column is None:
+            return linked, refused
+        by_file: dict[str, dict[int, str]] = {}
+        for p in paths:
+            file, row = split_item_path(p)
+            by_file.setdefault(file, {})[int(row)] = p
+        for file, wanted in by_file.items():
+            named = self._path_only(file, wanted)
+            gone = self.replaced([file]).get(file) if named else None  # replaced meanwhile
+            for at, where in named.items():
+                cell = wanted[at]
+                try:
+                    linked[cell] = cell_file(where, file)
+                except SourceError as e:
+                    refused[cell] = f"{cell}: {e}"
+                if gone is not None:
+                    linked.pop(cell, None)
+                    refused[cell] = gone
+        return linked, refused
+
+    def _path_only(self, file: str, rows: Collection[int]) -> dict[int, str]:
+        """row -> path, for each of ``rows`` of the table's ``file`` whose cell holds a path
+        and no bytes; none where its cells are no Audio/Image structs or its column cannot be
+        read (the cell reading then fails each cell, saying why)."""
+        index = self.file_positions().get(file)
+        if index is None or index >= len(self.kinds) or self.kinds[index] is not CellKind.STRUCT:
+            return {}
+        try:
+            return self.files[index].path_only(str(self.column), rows)
+        except ARROW_READ_ERRORS:
+            return {}
 
     def replaced(self, files: Collection[str]) -> dict[str, str]:
         """file -> why, for each local file of ``files`` the scan read that is not that
@@ -562,6 +630,79 @@ class Table:
         return found
 
 
+def cell_file(named: str, table_file: str) -> str:
+    """The local file a path-only cell's ``named`` path names (see the section's comment): an
+    absolute path as it is; a relative one from the working directory (as ``datasets`` opens
+    it), else from the folder of ``table_file`` where the first names no file.
+
+    Raises:
+        SourceError: it names no file there (each place looked at said), or is a URL.
+    """
+    if urlparse(named).scheme:  # datasets' is_local_path: a URL is no local file
+        raise SourceError(
+            f"the cell holds no bytes, only the path {named!r}, a URL featbake does not read; "
+            "embed the bytes (datasets' embed_table_storage)"
+        )
+    here = os.path.abspath(named)
+    beside = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(table_file)), named))
+    places = [here] if os.path.isabs(named) or beside == here else [here, beside]
+    found = next((p for p in places if os.path.isfile(p)), None)
+    if found is not None:
+        return found
+    looked = (
+        f"no file at {here}"
+        if len(places) == 1
+        else f"no file at {here} (from the working directory, as datasets opens it) nor at "
+        f"{beside} (beside the table file)"
+    )
+    raise SourceError(f"the cell holds no bytes and its path {named!r} names {looked}")
+
+
+def hash_linked(
+    catalog: HashCache,
+    linked: Mapping[str, str],
+    progress: Callable[[Progress], None] | None,
+    stats: dict[str, FileStat] | None,
+    held: HeldBytes | None,
+    digester: Digester,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Each path-only cell's digest (``linked``: cell -> the file it names): its file's, hashed
+    as a folder's file is (:func:`hash_inputs`: through the hash cache by the file's path and
+    stat; read by ``digester``), ``stats`` filled with the file's stat (what decoding checks
+    it against), and the bytes ``held`` moved to the cells' names (decoded without a second
+    read); (cell -> digest, cell -> why not)."""
+    files = list(dict.fromkeys(linked.values()))
+    file_stats: dict[str, FileStat] = {}
+    got, bad = hash_inputs(catalog, files, progress, file_stats, held, digester=digester)
+    digests: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    rows: dict[str, list[str]] = {f: [] for f in files}
+    for cell, file in linked.items():
+        if file in got:
+            digests[cell] = got[file]
+            rows[file].append(cell)
+            if stats is not None:
+                stats[cell] = file_stats[file]
+        else:
+            failed[cell] = f"{cell}: {file}: {bad.get(file, 'not read')}"
+    if held is not None:
+        for file, cells in rows.items():
+            held.share(file, cells)
+    return digests, failed
+
+
+def counted(
+    progress: Callable[[Progress], None] | None, before: int, total: int
+) -> Callable[[Progress], None] | None:
+    """``progress`` told of one part of a hashing: its counts after ``before`` done, of
+    ``total`` in all (a table's cells by their table files, then the files path-only cells
+    name)."""
+    if progress is None:
+        return None
+    tell = progress
+    return lambda p: tell(dataclasses.replace(p, done=before + p.done, total=total))
+
+
 def replaced_since_scan(file: str) -> str:
     """Why a row of a local table file renamed over (or rewritten) after the scan fails."""
     return (
@@ -640,17 +781,43 @@ class CellSource:
         return self.table.files[self.table.file_index(split_item_path(path)[0])]
 
     def _cell(self, path: str, f: TableFile) -> bytes:
-        row = split_item_path(path)[1]
-        column = str(self.table.column)
-        kind = self.table.kinds[self.table.file_index(f.path)]
-        try:
-            cell = f.cells(int(row), [column])[column]
-        except ARROW_READ_ERRORS as e:
-            raise SourceError(f"{path}: cannot read column {column!r} ({first_line(e)})") from e
+        cell, kind = self._value(path, f)
+        named = self.linked(cell, kind)
+        if named is not None:  # a path-only cell: its file's bytes
+            return self._linked(path, named, f).data
         got = cell_bytes(cell, kind)
         if isinstance(got, str):
             raise SourceError(f"{path}: {got}")
         return got
+
+    def _value(self, path: str, f: TableFile) -> tuple[Any, CellKind]:
+        """Cell ``path``'s Python value, and its file's kind of cell."""
+        row = split_item_path(path)[1]
+        column = str(self.table.column)
+        kind = self.table.kinds[self.table.file_index(f.path)]
+        try:
+            return f.cells(int(row), [column])[column], kind
+        except ARROW_READ_ERRORS as e:
+            raise SourceError(f"{path}: cannot read column {column!r} ({first_line(e)})") from e
+
+    def linked(self, cell: Any, kind: CellKind) -> str | None:
+        """The path a path-only cell of a local table names (read from its file), else None."""
+        return None if self.table.remote else path_only_cell(cell, kind)
+
+    def _linked(self, path: str, named: str, f: TableFile) -> Whole:
+        """The bytes of the file path-only cell ``path`` names, and its stat as they were read.
+
+        Raises:
+            SourceError: it names no file, or the file cannot be read.
+        """
+        try:
+            file = cell_file(named, f.path)
+        except SourceError as e:
+            raise SourceError(f"{path}: {e}") from None
+        try:
+            return bytes_at(file).read(file)
+        except SourceError as e:
+            raise SourceError(f"{path}: {e}") from None
 
     def load(self, path: str | os.PathLike[str], data: BinaryIO | None = None) -> torch.Tensor:
         """Read cell ``path`` and decode its bytes.
@@ -664,7 +831,8 @@ class CellSource:
     def load_unchanged(self, path: str, stat: FileStat | None) -> torch.Tensor:
         """Decode cell ``path`` if its bytes came from its file as it was when its digest was
         taken: a file stat'ed after the read, an object by the stat the ranged GETs that
-        carried them gave (:meth:`TableFile.stat`; no HEAD).
+        carried them gave (:meth:`TableFile.stat`; no HEAD); a path-only cell's from the file
+        it names, at the stat that file was hashed at (:meth:`_load_linked`).
 
         Raises:
             SourceError: the file changed since it was hashed, or the cell cannot be decoded.
@@ -672,7 +840,8 @@ class CellSource:
         changed = SourceError(f"{path}: changed while featbake was reading it; rerun the build")
         f = self.file_of(path)
         if f.path in self.table.scanned and self.table.scanned[f.path] != stat:
-            raise SourceError(f"{path}: {replaced_since_scan(f.path)}")
+            # Not the table file's stat: a path-only cell's (its file's), or a table replaced.
+            return self._load_linked(path, f, stat)
         try:
             data = self._cell(path, f)
         except SourceError:
@@ -683,6 +852,31 @@ class CellSource:
         if stat is None or f.stat() != stat:
             raise changed
         return self.inner.load(path, io.BytesIO(data))
+
+    def _load_linked(self, path: str, f: TableFile, stat: FileStat | None) -> torch.Tensor:
+        """Decode path-only cell ``path`` from the file it names if that file is still the one
+        its digest was taken of (``stat``), and the table file the version the scan read.
+
+        Raises:
+            SourceError: the cell is no path-only cell and its table file was replaced since
+                the scan (or was never hashed), the table file was replaced, the file the cell
+                names changed since it was hashed, or it cannot be decoded.
+        """
+        replaced = SourceError(f"{path}: {replaced_since_scan(f.path)}")
+        try:
+            cell, kind = self._value(path, f)
+        except SourceError:
+            raise replaced from None
+        named = self.linked(cell, kind)
+        if named is None or self.table.replaced([f.path]):
+            raise replaced
+        got = self._linked(path, named, f)
+        if stat is None or got.stat != stat:
+            raise SourceError(
+                f"{path}: the file its path {named!r} names changed since it was hashed; "
+                "rerun the build"
+            )
+        return self.inner.load(path, io.BytesIO(got.data))
 
 
 def table_at(data: str, column: str | None = None) -> Table:

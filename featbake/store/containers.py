@@ -23,11 +23,13 @@ bucket's client stays with the caller).
 **Tables** (parquet files, Arrow IPC streams as ``save_to_disk`` writes them): :class:`TableFile`
 opens a data file once per process; :func:`cell_digests` hashes one column's cells a row group
 at a time; :func:`cell_bytes` is the cell rule (an Audio/Image struct's ``bytes``, a binary
-cell, a text cell's UTF-8).
+cell, a text cell's UTF-8); :meth:`TableFile.path_only` finds the struct cells that hold only a
+path (:func:`path_only_cell`), whose file a local table reads instead (``featbake.encode.tables``).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import gzip
@@ -774,6 +776,31 @@ def stored_cell_kind(kind: pa.DataType) -> CellKind:
     return text if text is CellKind.TEXT else cell_kind(kind)
 
 
+#: The fields of an Audio/Image struct cell: its bytes, and the path of the file they are of.
+PATH_CELL = ("bytes", "path")
+
+
+def path_only_cell(cell: Any, kind: CellKind) -> str | None:
+    """The path of a cell (a Python value) that holds a path and no bytes (``{"bytes": None,
+    "path": "clips/a.wav"}``: what ``datasets`` writes for a local file it was not asked to
+    embed), else None (pure).
+
+    Example:
+        >>> path_only_cell({"bytes": None, "path": "a.wav"}, CellKind.STRUCT)
+        'a.wav'
+        >>> path_only_cell({"bytes": b"RIFF", "path": "a.wav"}, CellKind.STRUCT) is None
+        True
+    """
+    if (
+        kind is not CellKind.STRUCT
+        or not isinstance(cell, Mapping)
+        or cell.get("bytes") is not None
+    ):
+        return None
+    named = cell.get("path")
+    return named if isinstance(named, str) and named else None
+
+
 def cell_bytes(cell: Any, kind: CellKind) -> bytes | str:
     """The bytes of one cell (a Python value) as its digest is taken of them, or why it has
     none: the cell rule the build and verify share."""
@@ -786,8 +813,13 @@ def cell_bytes(cell: Any, kind: CellKind) -> bytes | str:
         data = cell.get("bytes")
         if data is None:
             where = cell.get("path")
+            if not where:
+                return "the cell holds neither bytes nor a path"
+            # A local table's path-only cell is read from its file before this rule (see
+            # featbake.encode.tables); a bucket's table's is not.
             return (
-                f"the cell holds no bytes (only the path {where!r}); embed the bytes "
+                f"the cell holds no bytes, only the path {where!r}, and featbake reads the "
+                "file a path names for a local table's cells only; embed the bytes "
                 "(datasets' embed_table_storage) or build the files with a manifest"
             )
         return bytes(data)
@@ -1368,6 +1400,55 @@ class TableFile(ProcessLocalState):
                 return {c: held[1][c][row - first].as_py() for c in columns}
             first += n
         raise SourceError(f"{self.path}:{row}: no such row")
+
+    def path_only(self, column: str, rows: Collection[int]) -> dict[int, str]:
+        """row -> the path of each of ``rows`` whose ``column`` cell (an Audio/Image struct
+        ``{bytes, path}``) holds a path and no bytes, as ``datasets``' ``to_parquet`` of local
+        files writes it (see :func:`path_only_cell`). Read a row group at a time; a parquet
+        row group whose statistics count no null ``bytes`` is not read (the Hub's files, every
+        cell's bytes embedded), nor one holding none of ``rows``.
+
+        Raises:
+            OSError, ValueError, KeyError, TypeError, NotImplementedError: the column cannot be
+                read (:data:`ARROW_READ_ERRORS`).
+        """
+        kind = self.schema().field(column).type
+        pa = pyarrow_module()
+        if not pa.types.is_struct(kind) or min(map(kind.get_field_index, PATH_CELL)) < 0:
+            return {}
+        import pyarrow.compute as pc
+
+        out: dict[int, str] = {}
+        rows = frozenset(rows)
+        for first, chunk in self._may_hold_no_bytes(column, rows):
+            nobytes = pc.and_(pc.is_valid(chunk), pc.is_null(pc.struct_field(chunk, "bytes")))
+            paths = pc.struct_field(chunk, "path")
+            for j in pc.indices_nonzero(pc.fill_null(nobytes, False)).to_pylist():
+                named = paths[j].as_py() if first + j in rows else None
+                if named:
+                    out[first + j] = named
+        return out
+
+    def _may_hold_no_bytes(self, column: str, rows: Collection[int]) -> Iterator[tuple[int, Any]]:
+        """(first row, the column's chunk) of each row group holding any of ``rows`` whose
+        ``bytes`` may be null (the statistics say so, or there are none)."""
+        if not self.parquet:
+            yield 0, self._stream.column(column)
+            return
+        pf, first, wanted = self._pf, 0, sorted(rows)
+        meta = pf.metadata
+        leaf = f"{column}.bytes"
+        at = next((i for i in range(meta.num_columns) if meta.schema.column(i).path == leaf), None)
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            start, first = first, first + group.num_rows
+            i = bisect.bisect_left(wanted, start)
+            if i == len(wanted) or wanted[i] >= first:
+                continue  # none of the rows is in it
+            st = None if at is None else group.column(at).statistics
+            if st is not None and st.has_null_count and st.null_count == 0:
+                continue
+            yield start, pf.read_row_group(g, columns=[column]).column(column)
 
 
 #: What reading a table file's column raises for a file that cannot be read (pyarrow's errors

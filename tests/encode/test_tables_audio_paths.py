@@ -1,0 +1,314 @@
+"""Tables whose Audio cells hold a path and no bytes: what ``Dataset.to_parquet`` writes for a
+dataset made from local audio files (``{"bytes": null, "path": "clips/a.wav"}``), which
+``datasets`` decodes by opening the file at the path (a relative one from the working
+directory: ``Audio.decode_example``).
+
+Each such cell is read from its file (a relative path from the working directory, else from
+the table file's folder), keyed by the SHA-256 of that file's bytes, and every stored or served
+feature is checked against the encoder run now on the file decoded by soundfile (featbake's code
+not used). A path that names no file, and a cell with neither bytes nor a path, are bad rows
+naming the row (and the path). Before, every path-only row failed ("the cell holds no bytes"):
+a build exited 3 with nothing built and a dataset over the table had no items.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from featbake.bake.pipeline import build
+from featbake.encode.encoders import torchscript_quietly
+from featbake.encode.sources import source_for
+from featbake.encode.tables import CellSource, Table
+from featbake.errors import SourceError
+from featbake.keys import sha256_hex
+from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
+from featbake.store.catalog import Catalog
+from featbake.store.layout import Layout
+from featbake.testing import make_tone
+from tests.conftest import invoke
+from tests.helpers import stored_features
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+RATE = 16000
+#: The Arrow type ``datasets`` stores an Audio (and Image) column as.
+AUDIO = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+#: The features ``datasets`` records in the schema's ``huggingface`` metadata for such a table.
+FEATURES = {"audio": {"_type": "Audio"}, "label": {"dtype": "int64", "_type": "Value"}}
+
+
+# == data made in the test =========================================================================
+def write_clip(path: Path, seed: int, seconds: float = 0.4) -> Path:
+    """A real WAV file of a seeded tone."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    soundfile.write(path, make_tone(seconds, RATE, seed=seed), RATE, format="WAV")
+    return path
+
+
+def write_path_parquet(path: Path, cells: list[dict[str, Any] | None]) -> Path:
+    """A parquet file as ``Dataset.to_parquet`` writes a dataset cast to ``Audio()`` over local
+    files: an ``audio`` struct<bytes: binary, path: string> column whose cells hold a path and
+    null bytes, a ``label`` column, the features under the schema's ``huggingface`` metadata."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.table(
+        {"audio": pa.array(cells, type=AUDIO), "label": pa.array(range(len(cells)), pa.int64())}
+    )
+    meta = {b"huggingface": json.dumps({"info": {"features": FEATURES}}).encode()}
+    pq.write_table(table.replace_schema_metadata(meta), path, row_group_size=2)
+    return path
+
+
+def only_path(named: str | Path) -> dict[str, Any]:
+    return {"bytes": None, "path": str(named)}
+
+
+# == references: featbake's code not used =========================================================
+def clip_tensor(path: Path) -> torch.Tensor:
+    samples, rate = soundfile.read(path, dtype="float32", always_2d=True)
+    assert rate == RATE
+    return torch.from_numpy(np.ascontiguousarray(samples.mean(axis=1), dtype=np.float32))
+
+
+def encoder_now(encoder_file: Path) -> torch.nn.Module:
+    with torchscript_quietly():
+        return torch.jit.load(str(encoder_file))
+
+
+def run_now(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return module(x.unsqueeze(0))[0]
+
+
+def catalog(tmp_path: Path) -> Catalog:
+    return Catalog(Layout(tmp_path / "store").ensure())
+
+
+# == the test's table ==============================================================================
+class PathTable:
+    """``project/clips/*.wav`` and ``project/out/train.parquet``, written as a user of
+    ``datasets`` does from ``project/``: rows 0 and 4 name their clip relative to the project
+    (the working directory, as ``datasets`` reads them), row 1 absolutely, row 2 relative to the
+    table file's folder (``out/near/c2.wav`` as ``near/c2.wav``), row 3 a clip that does not
+    exist, row 5 neither bytes nor a path."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.project = tmp_path / "project"
+        clips = self.project / "clips"
+        self.files = {
+            0: write_clip(clips / "c0.wav", 10),
+            1: write_clip(clips / "c1.wav", 11, 0.5),
+            2: write_clip(self.project / "out" / "near" / "c2.wav", 12, 0.3),
+            4: write_clip(clips / "c4.wav", 14, 0.6),
+        }
+        self.table = write_path_parquet(
+            self.project / "out" / "train.parquet",
+            [
+                only_path("clips/c0.wav"),
+                only_path(self.files[1]),
+                only_path("near/c2.wav"),
+                only_path("clips/missing.wav"),
+                only_path("clips/c4.wav"),
+                {"bytes": None, "path": None},
+            ],
+        )
+
+    def missing_reason(self) -> str:
+        return (
+            f"{self.table}:3: the cell holds no bytes and its path 'clips/missing.wav' names no "
+            f"file at {self.project / 'clips' / 'missing.wav'} (from the working directory, as "
+            f"datasets opens it) nor at {self.project / 'out' / 'clips' / 'missing.wav'} (beside "
+            "the table file)"
+        )
+
+
+# == tests =========================================================================================
+def test_a_table_datasets_to_parquet_wrote_builds_each_row_from_its_file(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``datasets`` itself writes the table (where it is installed): its schema and
+    ``huggingface`` metadata are the ones the other tests' tables have, its cells hold a path
+    and null bytes, and a build over it stores each row's features equal to the encoder run now
+    on the clip it names; before, every row failed and nothing was built."""
+    datasets = pytest.importorskip("datasets")
+    t = PathTable(tmp_path)
+    monkeypatch.chdir(t.project)
+    named = ["clips/c0.wav", str(t.files[1]), "clips/c4.wav"]
+    made = datasets.Dataset.from_dict({"audio": named, "label": [0, 1, 2]})
+    theirs = t.project / "hf" / "train.parquet"
+    made.cast_column("audio", datasets.Audio()).to_parquet(str(theirs))
+    written, ours = pq.read_schema(theirs), pq.read_schema(t.table)
+    assert written.remove_metadata() == ours.remove_metadata()
+    assert json.loads(written.metadata[b"huggingface"]) == json.loads(ours.metadata[b"huggingface"])
+    assert pq.read_table(theirs).column("audio").to_pylist() == [only_path(n) for n in named]
+    report = build(theirs, encoder_file, cache=tmp_path / "store", workers=0, column="audio")
+    assert (report.encoded, report.failed) == (3, [])
+    stored = stored_features(tmp_path / "store", report.root)
+    module = encoder_now(encoder_file)
+    assert sorted(stored) == [f"train.parquet:{i}" for i in range(3)]
+    for i, n in enumerate((0, 1, 4)):
+        want = run_now(module, clip_tensor(t.files[n]))
+        torch.testing.assert_close(stored[f"train.parquet:{i}"][""], want, msg=str(n))
+
+
+def test_path_only_cells_are_keyed_by_their_files_bytes_and_decoded_from_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each path-only cell's digest is its file's SHA-256 (as the same file's in a folder) and it
+    decodes to the file's samples; the missing clip and the empty cell fail with one line naming
+    the row (and the path and where it was looked for)."""
+    t = PathTable(tmp_path)
+    monkeypatch.chdir(t.project)
+    inputs = Table(str(t.table))
+    scanned = inputs.scan(source_for(Recipe()).extensions)
+    assert scanned.inputs == [f"train.parquet:{i}" for i in range(6)] and not scanned.skipped
+    paths = [inputs.path(r) for r in scanned.inputs]
+    stats: dict[str, Any] = {}
+    digests, failed = inputs.hash(catalog(tmp_path), paths, stats=stats)
+    assert failed == {
+        paths[3]: t.missing_reason(),
+        paths[5]: f"{t.table}:5: the cell holds neither bytes nor a path",
+    }
+    assert digests == {paths[i]: sha256_hex(f.read_bytes()) for i, f in t.files.items()}
+    source = inputs.source(source_for(Recipe()))
+    assert isinstance(source, CellSource)
+    for i, f in t.files.items():
+        assert torch.equal(source.load(paths[i]), clip_tensor(f)), i
+        assert torch.equal(source.load_unchanged(paths[i], stats[paths[i]]), clip_tensor(f)), i
+    with pytest.raises(SourceError) as got:
+        source.load(paths[3])
+    assert str(got.value) == t.missing_reason()
+    # A clip rewritten after its digest was taken is not decoded under the old key.
+    write_clip(t.files[4], 99, 0.6)
+    with pytest.raises(SourceError, match=r"train.parquet:4: the file its path 'clips/c4.wav' na"):
+        source.load_unchanged(paths[4], stats[paths[4]])
+
+
+def test_a_relative_path_is_taken_from_the_working_directory_first_then_the_tables_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where both the working directory and the table's folder hold the file a relative path
+    names, the working directory's is read (the one ``datasets`` opens); run from elsewhere,
+    the table's folder's is."""
+    t = PathTable(tmp_path)
+    shadow = write_clip(t.project / "out" / "clips" / "c0.wav", 50)  # beside the table too
+    monkeypatch.chdir(t.project)
+    inputs = Table(str(t.table))
+    paths = [inputs.path(r) for r in inputs.scan([".wav"]).inputs]
+    digests, _ = inputs.hash(catalog(tmp_path), paths[:1])
+    assert digests == {paths[0]: sha256_hex(t.files[0].read_bytes())}
+    monkeypatch.chdir(tmp_path)  # nothing under clips/ here
+    again = Table(str(t.table))
+    again.scan([".wav"])
+    digests, failed = again.hash(catalog(tmp_path), paths[:3])
+    assert digests == {
+        paths[0]: sha256_hex(shadow.read_bytes()),
+        paths[1]: sha256_hex(t.files[1].read_bytes()),  # absolute: wherever it is run from
+        paths[2]: sha256_hex(t.files[2].read_bytes()),
+    }
+    assert not failed
+
+
+def test_a_build_over_path_only_cells_stores_each_clips_features_and_a_dataset_serves_them(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build encodes each row from its file and fails the two bad rows (named with their
+    reasons); a dataset over the table serves the four rows, with their labels, equal to the
+    encoder run now on each file; before, the build failed every row and the dataset was
+    empty."""
+    t = PathTable(tmp_path)
+    monkeypatch.chdir(t.project)
+    store = tmp_path / "store"
+    report = build(t.table, encoder_file, cache=store, workers=0, column="audio")
+    assert report.encoded == 4
+    assert dict(report.failed) == {
+        "train.parquet:3": t.missing_reason(),
+        "train.parquet:5": f"{t.table}:5: the cell holds neither bytes nor a path",
+    }
+    module = encoder_now(encoder_file)
+    with pytest.warns(UserWarning) as told:
+        ds = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+    said = " ".join(str(w.message) for w in told)
+    assert "clips/missing.wav" in said and "train.parquet:3" in said, said
+    assert [ds.item_id(i) for i in range(len(ds))] == [f"train.parquet:{i}" for i in (0, 1, 2, 4)]
+    for i, n in enumerate((0, 1, 2, 4)):
+        assert ds.row(i) == {"label": n}
+        assert torch.equal(ds[i], run_now(module, clip_tensor(t.files[n]))), n
+
+
+def test_a_clip_rewritten_behind_an_unchanged_table_is_read_again_not_served_stale(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The table file is unchanged, one clip it names is rewritten: a rebuild keys that row by
+    the new bytes (its file's stat is the hash cache's, not the table's), and the dataset
+    serves the new clip's features."""
+    t = PathTable(tmp_path)
+    monkeypatch.chdir(t.project)
+    monkeypatch.setattr("featbake.store.hash_cache.RACY_NS", 0)  # rows trusted at once, as later
+    store = tmp_path / "store"
+    assert build(t.table, encoder_file, cache=store, workers=0, column="audio").encoded == 4
+    table_bytes = t.table.read_bytes()
+    write_clip(t.files[1], 77, 0.7)
+    assert t.table.read_bytes() == table_bytes
+    report = build(t.table, encoder_file, cache=store, workers=0, column="audio")
+    assert (report.encoded, report.reused) == (1, 3)
+    module = encoder_now(encoder_file)
+    with pytest.warns(UserWarning, match="clips/missing.wav"):  # the bad rows
+        ds = CachedFeatureDataset(
+            t.table, encoder_file, cache=store, column="audio", on_miss="error"
+        )
+    for i, n in enumerate((0, 1, 2, 4)):
+        assert torch.equal(ds[i], run_now(module, clip_tensor(t.files[n]))), n
+
+
+def test_a_dataset_encodes_path_only_misses_live_from_their_files(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No build: a dataset over the table encodes each row live from its clip (the bad rows
+    left out, warned of)."""
+    t = PathTable(tmp_path)
+    monkeypatch.chdir(t.project)
+    module = encoder_now(encoder_file)
+    with pytest.warns(UserWarning):
+        ds = CachedFeatureDataset(t.table, encoder_file, cache=tmp_path / "store", column="audio")
+    assert len(ds) == 4
+    for i, n in enumerate((0, 1, 2, 4)):
+        assert torch.equal(ds[i], run_now(module, clip_tensor(t.files[n]))), n
+
+
+def test_the_cli_builds_a_folder_of_path_only_parquet_and_exits_3_naming_the_missing_clip(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``featbake build --data out/`` (a folder of parquet files) from the project: the four
+    readable rows are stored, each equal to the encoder run now on its clip; the missing clip
+    and the empty cell are failed rows naming the row and the path, and the build exits 3."""
+    t = PathTable(tmp_path)
+    monkeypatch.chdir(t.project)
+    out = invoke(
+        "build", "--encoder", encoder_file, "--data", t.table.parent, "--cache",
+        tmp_path / "store", "--workers", "0",
+    )  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 3, text
+    assert re.search(r"^encoded\s+4$", text, re.MULTILINE), text
+    flat = " ".join(text.split())
+    assert "failed train.parquet:3: " in flat and "'clips/missing.wav' names no file" in flat, text
+    root = re.search(r"^root\s+(\S+)$", text, re.MULTILINE)
+    assert root, text
+    stored = stored_features(tmp_path / "store", root.group(1))
+    module = encoder_now(encoder_file)
+    assert sorted(stored) == [f"train.parquet:{i}" for i in (0, 1, 2, 4)]
+    for n in (0, 1, 2, 4):
+        want = run_now(module, clip_tensor(t.files[n]))
+        torch.testing.assert_close(stored[f"train.parquet:{n}"][""], want, msg=str(n))
+    assert os.getcwd() == str(t.project)
