@@ -754,6 +754,14 @@ class BlockSampler(Sampler[int]):
         set_epoch_of(self._dataset, epoch)
 
     def __iter__(self) -> Iterator[int]:
+        """The epoch's indices (the rest of a loaded state's epoch), planned at the first
+        ``next``: torchdata's ``StatefulDataLoader`` makes an iterator when it loads a state
+        and, where that state's epoch had ended, drops it for a new one; planned at ``iter()``,
+        the first took the loaded position and the second read the whole epoch again."""
+        yield from self._epoch_read()
+
+    def _epoch_read(self) -> Iterator[int]:
+        """:meth:`__iter__`'s indices, planned now."""
         skip = 0
         if self._pending is not None and self._pending.epoch == self.epoch:
             skip = self._pending.done
@@ -951,6 +959,13 @@ class LengthBatchSampler(Sampler[list[int]]):
         return self._order.plan(self.epoch, inputs, self._resume.stages_for(self.epoch)), inputs
 
     def __iter__(self) -> Iterator[list[int]]:
+        """The epoch's batches (the rest of a loaded state's epoch), planned at the first
+        ``next``, as :meth:`BlockSampler.__iter__`'s (an iterator made and dropped by
+        torchdata's restore takes no loaded position)."""
+        yield from self._epoch_read()
+
+    def _epoch_read(self) -> Iterator[list[int]]:
+        """:meth:`__iter__`'s batches, planned now."""
         set_epoch_of(self._dataset, self.epoch)  # a mixture draws the epoch read
         batches, inputs = self._planned()
         skip = self._resume.start(self.epoch, len(batches), inputs)
