@@ -582,8 +582,9 @@ def _same_items(
         raise ConfigError(
             f"this state is part way through epoch {state['epoch']} of other items than this "
             "dataset's (a build or gc since changed which inputs it serves, keeping their "
-            "count), so the rest of that epoch cannot be told apart; make the dataset over the "
-            f"data as it was, or {restart}"
+            "count, or the dataset is wrapped otherwise than when it was saved: another "
+            "StackDataset, ConcatDataset or Subset around it), so the rest of that epoch cannot "
+            f"be told apart; make the dataset as it was, over the data as it was, or {restart}"
         )
 
 

@@ -1663,6 +1663,29 @@ def test_a_state_part_way_through_an_epoch_is_not_resumed_over_other_items(
     assert sorted(read + [int(i) for *_, labels in there for i in labels]) == list(range(8))
 
 
+def test_a_state_resumed_over_the_dataset_wrapped_otherwise_names_the_wrapping(
+    tmp_path: Path, encoder_file: Path
+) -> None:
+    """A state saved part way over the dataset and loaded over ``StackDataset(ds, labels)``
+    is refused (the digest of the items is the wrapper's), in one line that names the
+    wrapping as a cause; it named a build or gc alone, and none had run."""
+    from tests.helpers import bake
+
+    data = tmp_path / "data"
+    write_audio_folder(data, 6, seconds=0.4, seed=4)
+    store = tmp_path / "store"
+    bake(data, encoder_file, store)
+    ds = CachedFeatureDataset(data, encoder_file, cache=store, on_miss="error")
+    first = FeatureLoader(ds, batch_size=2, seed=3)
+    list(itertools.islice(iter(first), 1))
+    state = json.loads(json.dumps(first.state_dict()))
+    wrapped = FeatureLoader(StackDataset(ds, torch.arange(len(ds))), batch_size=2, seed=3)
+    with pytest.raises(ConfigError, match="other items than this dataset's") as refused:
+        wrapped.load_state_dict(state)
+    said = str(refused.value)
+    assert "\n" not in said and "wrapped otherwise than when it was saved" in said
+
+
 def test_lists_of_files_of_the_same_names_in_two_folders_are_other_items(
     tmp_path: Path, encoder_file: Path
 ) -> None:
