@@ -651,6 +651,13 @@ class HeldReading:
         parts += self._globals(func, depth)
         return f"function({','.join(parts)})"
 
+    def class_settings(self, cls: type, func: Any, shadowed: frozenset[str]) -> str:
+        """The data ``cls`` holds that ``func`` and the methods of ``cls`` it reaches read
+        as ``self.K`` or ``cls.K`` (:meth:`_class_reads`), none of ``shadowed`` (names its
+        instances hold themselves); ``""`` where it reads none."""
+        text = self._class_reads(cls, func, dict.fromkeys(shadowed), 0)
+        return "" if text == "class[]" else text
+
     def globals_read(self, func: Any) -> list[str]:
         """The globals ``func``'s code reads, each as ``global name=text``
         (:meth:`_globals`): what a module's forward reads beside its own state
@@ -2290,29 +2297,33 @@ def module_identity(module: Any) -> str:
     return f"{ident}\nglobals:{hashlib.sha256(read.encode()).hexdigest()}" if read else ident
 
 
-def forward_functions(module: Any) -> tuple[Any, ...]:
-    """The functions whose globals a module's key reads (:func:`forward_globals`): the
-    ``forward`` of each submodule's class of the user's (:func:`reads_held_attributes`: a
-    library's classes read library globals, versioned by the library) and every method of
-    that class it reaches by name (:func:`reached_methods`: ``self.scale(x)``), and the
+def forward_functions(module: Any) -> tuple[tuple[type, Any], ...]:
+    """What a module's key reads the globals and class settings of (:func:`forward_globals`):
+    for each submodule's class of the user's (:func:`reads_held_attributes`: a library's
+    classes read library globals, versioned by the library), its ``forward`` and every method
+    of the class it reaches by name (:func:`reached_methods`: ``self.scale(x)``), and the
     ``forward`` of each base class of the user's (``super().forward(x)``) with what it reaches,
-    each once, in the tree's order. An instance's own
-    ``forward`` is read otherwise (refused while it differs)."""
-    found: dict[Any, None] = {}
+    each ``(class, function)`` once, in the tree's order. An instance's own ``forward`` is
+    read otherwise (refused while it differs)."""
+    found: dict[tuple[type, Any], None] = {}
     subs = module.modules() if hasattr(module, "modules") else [module]
     for cls in dict.fromkeys(type(sub) for sub in subs if reads_held_attributes(sub)):
         for klass in cls.__mro__:  # a base class's forward, run through super().forward()
             forward = method_function(vars(klass).get("forward"))
             if inspect.isfunction(forward) and not is_library_code(klass):
-                found.update(dict.fromkeys(reached_methods(forward, cls)))
+                found.update(dict.fromkeys((cls, f) for f in reached_methods(forward, cls)))
     return tuple(found)
 
 
-def forward_globals(module: Any, *, exact: bool, functions: Iterable[Any] | None = None) -> str:
+def forward_globals(
+    module: Any, *, exact: bool, functions: Iterable[tuple[type, Any]] | None = None
+) -> str:
     """The globals a module's forward reads, by the one rule a hook's are read by
     (:meth:`HeldReading.globals_read`: ``shared.STATE.scale``, a settings dict's items, a
     global tensor by its values, a global adapter by its state, the user's helper of another
-    module by its code and the globals it reads in turn), for each of ``functions`` (default
+    module by its code and the globals it reads in turn), and the settings its class holds
+    that it reads as ``self.K`` or ``type(self).K`` where no instance attribute shadows them
+    (:meth:`HeldReading.class_settings`), for each of ``functions`` (default
     :func:`forward_functions`) that reads any, by its qualified name; ``""`` where none does.
     The module's own submodules and tensors read as ``<own>`` (its key reads them). What no
     key can read (a global module with hooks of its own, a value too large) is named in the
@@ -2320,8 +2331,9 @@ def forward_globals(module: Any, *, exact: bool, functions: Iterable[Any] | None
     hashed anew (a key; the check before misses), else trusted while their stamps hold (a
     watch, at each forward).
 
-    A forward reading ``x * shared.STATE.scale`` changes its outputs when the setting does,
-    with no code, weight or attribute of the module changed: a key must read it.
+    A forward reading ``x * shared.STATE.scale`` (or ``x * self.SCALE``, ``Model.SCALE = 3.0``
+    set on its class) changes its outputs when the setting does, with no code, weight or
+    attribute of the module changed: a key must read it.
 
     Example:
         >>> forward_globals(torch.nn.Linear(2, 2), exact=True)
@@ -2329,13 +2341,27 @@ def forward_globals(module: Any, *, exact: bool, functions: Iterable[Any] | None
     """
     functions = forward_functions(module) if functions is None else functions
     reading = HeldReading(_TreeIds(module), exact=exact, per_global=True)
+    shadowed = instance_names(module)
     rows = []
-    for func in functions:
-        read = reading.globals_read(func)
+    read_before: set[Any] = set()
+    for cls, func in functions:
+        read = [] if func in read_before else reading.globals_read(func)
+        read_before.add(func)
+        settings = reading.class_settings(cls, func, shadowed.get(cls, frozenset()))
+        read += [settings] if settings else []
         if read:
             owner = "__main__" if func.__module__ == "__mp_main__" else func.__module__
-            rows.append(f"{owner}.{func.__qualname__}({','.join(read)})")
+            rows.append(f"{owner}.{func.__qualname__}@{cls.__qualname__}({','.join(read)})")
     return ";".join(rows)
+
+
+def instance_names(module: Any) -> dict[type, frozenset[str]]:
+    """Each class in a module tree, and the names its instances there hold as attributes of
+    their own (which shadow the class's: keyed as attributes, :func:`attribute_identity`)."""
+    names: dict[type, set[str]] = {}
+    for sub in module.modules() if hasattr(module, "modules") else [module]:
+        names.setdefault(type(sub), set()).update(vars(sub))
+    return {cls: frozenset(n) for cls, n in names.items()}
 
 
 def script_identity(module: Any, path: Path) -> str:

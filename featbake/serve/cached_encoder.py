@@ -310,8 +310,9 @@ class GlancePlan:
 
     looks: tuple[_Look, ...]
     tensors: tuple[weakref.ref[torch.Tensor], ...]
-    #: The functions of its forward that read globals (:func:`forward_globals`), read by
-    #: value at each glance; none where none did when planned.
+    #: The (class, function) pairs of its forward that read globals or class settings
+    #: (:func:`forward_globals`), read by value at each glance; none where none did when
+    #: planned.
     reads: tuple[Any, ...] = ()
 
     def live_tensors(self) -> list[torch.Tensor] | None:

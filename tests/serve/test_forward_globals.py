@@ -103,6 +103,14 @@ class HoldsAReader(TinyConvEncoder):
         return self.post(super().forward(wav))
 
 
+class ReadsAClassSetting(TinyConvEncoder):
+    SCALE = 2.0
+    OPTIONS = {"gain": 1.0}
+
+    def forward(self, wav):
+        return super().forward(wav) * self.SCALE * type(self).OPTIONS["gain"]
+
+
 class ReadsAnArray(TinyConvEncoder):
     def forward(self, wav):
         return super().forward(wav) * float(shared.ARRAY[0])
@@ -172,6 +180,14 @@ CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
     # A second review of r24.1's first form: each of these was still served stale.
     "read-by-a-base-class-forward-through-super": ("ThroughSuper", _setting),
     "beside-a-table-too-large-to-key": ("LooksUpBesideASetting", lambda m: setattr(m, "SCALE", 4)),
+    "class-setting-set-on-the-class": (
+        "ReadsAClassSetting",
+        lambda m: setattr(m.ReadsAClassSetting, "SCALE", 3.0),
+    ),
+    "class-dict-read-through-type-edited": (
+        "ReadsAClassSetting",
+        lambda m: m.ReadsAClassSetting.OPTIONS.__setitem__("gain", 3.0),
+    ),
     "global-array-edited-in-place": ("ReadsAnArray", lambda m: m.shared.ARRAY.__setitem__(0, 3.0)),
 }
 
