@@ -424,6 +424,7 @@ def test_dimensions_rounded_away_beside_an_outlier_are_counted_and_said(
     assert (measured.dims_lost, measured.dims) == (lost, dims) and lost > dims // 2, measured
     assert f"{lost} of {dims} feature dimensions are mostly rounding" in report.fidelity_warning
     assert "--dtype fp8" in report.fidelity_warning
+    assert "bfloat16 where values pass float16's 65504" in report.fidelity_warning
     shown = invoke("roots", "--cache", cache)
     assert f"{lost} of {dims} dimensions lost" in shown.stdout, shown.stdout
     fp8 = build(audio_dir, encoder, cache=cache, recipe=Recipe(dtype="fp8"), workers=0)

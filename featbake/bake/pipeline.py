@@ -73,7 +73,7 @@ from featbake.encode.inputs import (
 )
 from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.manifests import Item
-from featbake.encode.outputs import nonfinite_part
+from featbake.encode.outputs import nonfinite_build_failure, nonfinite_part
 from featbake.encode.sources import ScanResult, Source, file_stat_or_none, source_for
 from featbake.encode.tables import CarriedCell, Table
 from featbake.encode.webdataset import WebDataset
@@ -1308,11 +1308,7 @@ class _EncodeRun:
         for (i, _), parts in zip(batch, results, strict=True):
             bad = None if self.bake.options.allow_nonfinite else nonfinite_part(parts)
             if bad is not None:
-                reason = (
-                    f"{self.rel(i)}: the encoder returned NaN or infinite values in {bad} "
-                    f"(stored as {self.bake.recipe.dtype}); not stored. Pass --allow-nonfinite "
-                    "to store them anyway"
-                )
+                reason = nonfinite_build_failure(self.rel(i), bad, self.bake.recipe.dtype)
                 self.fail(i, reason, EncodeError)
                 continue
             self.writer.put(self.keys[i], self.bake.compactor.store(self.keys[i], parts))

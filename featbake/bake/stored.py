@@ -128,7 +128,8 @@ def over_bound(fidelity: Fidelity | None, bound: float | None) -> str:
     return (
         f"the stored features are {fidelity.rel_rms:.2%} off the encoder's output (relative RMS "
         f"error over {fidelity.items} sampled items), over the bound of {bound:.2%}: store a "
-        "wider dtype (--dtype int8 over fp8, or float16), or raise --max-error"
+        "wider dtype (--dtype int8 over fp8, or float16: bfloat16 where values pass float16's "
+        "65504), or raise --max-error"
     )
 
 
@@ -143,12 +144,13 @@ def dims_lost_note(fidelity: Fidelity | None, scheme: Scheme, bound: float | Non
     """
     if fidelity is None or bound is None or not fidelity.dims_lost:
         return ""
-    wider = "--dtype fp8 (its codes keep small values beside large ones) or float16"
+    floats = "float16 (bfloat16 where values pass float16's 65504)"
+    wider = f"--dtype fp8 (its codes keep small values beside large ones) or {floats}"
     return (
         f"{fidelity.dims_lost} of {fidelity.dims} feature dimensions are mostly rounding error "
         f"as stored (each over {LOST_DIM:.0%} relative RMS error over {fidelity.items} sampled "
         "items: a few large dimensions set each row's scale, and the small ones round to "
-        f"zero): store {wider if scheme is Scheme.INT8 else 'float16'}"
+        f"zero): store {wider if scheme is Scheme.INT8 else floats}"
     )
 
 

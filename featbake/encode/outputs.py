@@ -277,6 +277,28 @@ def refuse_nonfinite(
     )
 
 
+def nonfinite_build_failure(item: str, bad: str, dtype: str) -> str:
+    """A build's line for an item whose stored parts hold NaN or an infinity (``bad`` names
+    the part), with what to do by the stored dtype: float16 ends at 65504, so a finite output
+    past it is stored wider (``--allow-nonfinite`` there would store and serve ``inf``); int8
+    and fp8 hold neither NaN nor infinity, so no option stores them.
+
+    Example:
+        >>> nonfinite_build_failure("a.wav", "its output", "int8").split(". ")[-1]
+        'int8 holds neither NaN nor infinity: fix the encoder'
+    """
+    said = f"{item}: NaN or infinite values in {bad} as stored ({dtype}); not stored."
+    if dtype == "float16":
+        return (
+            f"{said} Finite values past float16's range (65504) become infinite when cast: "
+            "store them as --dtype bfloat16 or float32; if the encoder itself returned them, "
+            "fix it, or pass --allow-nonfinite to store them as they are"
+        )
+    if dtype in ("int8", "fp8"):
+        return f"{said} {dtype} holds neither NaN nor infinity: fix the encoder"
+    return f"{said} The encoder returned them: fix it, or pass --allow-nonfinite to store them"
+
+
 # -- storing -----------------------------------------------------------------------------------
 def stored_parts(parts: Mapping[str, torch.Tensor], recipe: Recipe) -> dict[str, torch.Tensor]:
     """Output parts as the store holds them: in the stored float dtype, or packed for ``int8``
@@ -301,8 +323,9 @@ def stored_parts(parts: Mapping[str, torch.Tensor], recipe: Recipe) -> dict[str,
     exact = [name for name, value in parts.items() if not value.is_floating_point()]
     if exact:
         value = parts[exact[0]]
+        named = exact[0] or recipe.output or "tensor"  # one part picked: stored unnamed
         raise ConfigError(
-            f"the encoder's output {exact[0] or 'tensor'!r} holds {value.dtype} values, which "
+            f"the encoder's output {named!r} holds {value.dtype} values, which "
             f"{recipe.dtype} storage cannot keep exact (it quantises floats only); store them "
             "with dtype float16 or float32 (--dtype / dtype=), or keep one float output "
             "(--output / output=)"

@@ -330,6 +330,33 @@ class _NanOnLong(TinyConvEncoder):
         return out * self.bad if wav.shape[1] > 16000 else out
 
 
+@pytest.mark.parametrize(
+    ("dtype", "bad", "said", "unsaid"),
+    [
+        ("float16", 1e6, "past float16's range (65504)", ""),
+        ("int8", float("nan"), "int8 holds neither NaN nor infinity", "--allow-nonfinite"),
+        ("fp8", float("inf"), "fp8 holds neither NaN nor infinity", "--allow-nonfinite"),
+    ],
+    ids=["float16-finite-past-its-range", "int8-nan", "fp8-inf"],
+)
+def test_a_row_not_stored_as_nonfinite_says_what_the_stored_dtype_needs(
+    tmp_path: Path, audio_dir: Path, dtype: str, bad: float, said: str, unsaid: str
+) -> None:
+    """A float16 build of finite outputs up to 1e6 failed each long item as "the encoder
+    returned NaN or infinite values ... Pass --allow-nonfinite", which then stored and served
+    ``inf``; an int8 or fp8 build's line gave the same advice, which that dtype refuses. Each
+    line now says what the stored dtype holds and what to store instead."""
+    report = build(
+        audio_dir, _NanOnLong(bad), cache=tmp_path / "c", workers=0, recipe=Recipe(dtype=dtype)
+    )
+    assert report.failed
+    for _, reason in report.failed:
+        assert said in reason and "\n" not in reason, reason
+        assert not unsaid or unsaid not in reason, reason
+        if dtype == "float16":
+            assert "--dtype bfloat16 or float32" in reason, reason
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_features_are_refused_unless_allowed(
     tmp_path: Path, encoder_file: Path, audio_dir: Path, bad: float
@@ -791,6 +818,9 @@ def test_integer_and_bool_outputs_are_stored_exact_whatever_the_float_dtype(
     if dtype == "int8":
         with pytest.raises(ConfigError, match=r"'n' holds torch\.int64 values, which int8"):
             build(tmp_path / "audio", encoder, cache=store, recipe=recipe, workers=0)
+        picked = Recipe(dtype=dtype, output="n")  # one part stored: named as picked, not 'tensor'
+        with pytest.raises(ConfigError, match=r"'n' holds torch\.int64 values, which int8"):
+            build(tmp_path / "audio", encoder, cache=store, recipe=picked, workers=0)
         return
     report = build(tmp_path / "audio", encoder, cache=store, recipe=recipe, workers=0)
     assert (report.encoded, report.failed) == (3, [])
