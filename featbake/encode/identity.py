@@ -42,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 
 from featbake.keys import (
     argument_names,
+    attribute_names,
     canonical_json,
     contained_tensors,
     derived_state,
@@ -378,6 +379,25 @@ def bookkeeping_names(code: Any, ops: frozenset[str], cls: type | None = None) -
     return kept_per_object(_BOOKKEEPING, (code, cls), ops, lambda: _bookkeeping(code, ops, cls))
 
 
+def written_names(code: Any, ops: frozenset[str], cls: type | None = None) -> frozenset[str]:
+    """The names ``code`` (as :func:`bookkeeping_names` reads it) writes by ``ops``, records
+    into or updates in place, read back or not: a module's forward's own state
+    (:class:`HeldReading`'s ``forward``). Kept per code object and class."""
+    return kept_per_object(_WRITTEN, (code, cls), ops, lambda: _written(code, ops, cls))
+
+
+def _written(code: Any, ops: frozenset[str], cls: type | None) -> frozenset[str]:
+    """:func:`written_names`, made anew."""
+    written: set[str] = set()
+    for each in reached_code(code, cls):
+        _uses(each, ops, written, set())
+    return frozenset(written)
+
+
+#: written_names's, by code object, class and ops (:func:`kept_per_object`).
+_WRITTEN: dict[Any, Any] = {}
+
+
 def _bookkeeping(code: Any, ops: frozenset[str], cls: type | None) -> frozenset[str]:
     """:func:`bookkeeping_names`, made anew."""
     written: set[str] = set()
@@ -408,7 +428,7 @@ def _uses(code: Any, ops: frozenset[str], written: set[str], read: set[str]) -> 
         for j, op in enumerate(block, start=lo):
             if op.opname not in loads:
                 continue
-            if records_into(ins, j) or (ops is GLOBAL_WRITES and sets_a_field(ins, j)):
+            if records_into(ins, j) or (ops is GLOBAL_WRITES and _global_updated(ins, j)):
                 written.add(op.argval)
             elif op.argval not in stored:
                 read.add(op.argval)
@@ -503,9 +523,13 @@ class HeldReading:
     ``tensors``: a tensor or array not in ``own`` read by its values, and a module by its
     state (as global ones are), instead of refused, for a module's own attribute: a
     ``SimpleNamespace``, dataclass or object of its holding global CMVN statistics, or an
-    adapter network, changes its outputs as a buffer or submodule does. ``per_global``: each
-    global read against a :data:`HELD_VALUES` of its own (a module's forward,
-    :func:`forward_globals`: a large table left unkeyed leaves the settings beside it keyed)."""
+    adapter network, changes its outputs as a buffer or submodule does. ``forward``: a
+    module's forward read (:func:`forward_globals`): each global against a
+    :data:`HELD_VALUES` of its own (a large table left unkeyed leaves the settings beside it
+    keyed), and a global the code writes anywhere (``global _warned; _warned = True``, a
+    lazily made window, a memo dict it fills, a counter, ``ACC.add_(x)``) is the forward's own
+    state, read back or not, as what a forward writes on its own attributes is
+    (:func:`~featbake.keys.written_below`): keyed, each run would change the key."""
 
     def __init__(
         self,
@@ -513,12 +537,12 @@ class HeldReading:
         exact: bool = False,
         tensors: bool = False,
         written: frozenset[str] = frozenset(),
-        per_global: bool = False,
+        forward: bool = False,
     ) -> None:
         self.own = own
         self.exact = exact
         self.tensors = tensors
-        self.per_global = per_global  # each global read its own HELD_VALUES (a forward's)
+        self.forward = forward  # a module's forward read: see the class's docstring
         self.written = written  # names a module's forward sets on the objects read here
         self.refused: list[str] = []
         self._path: set[int] = set()
@@ -679,6 +703,8 @@ class HeldReading:
         found = getattr(func, "__globals__", {})
         code = func.__code__
         kept = bookkeeping_names(code, GLOBAL_WRITES)
+        if self.forward:  # the forward's own state, read back or not
+            kept |= written_names(code, GLOBAL_WRITES)
         rows = []
         for g in global_names(code):
             value = found.get(g, _ABSENT)
@@ -692,7 +718,7 @@ class HeldReading:
                 name, value = reached_attribute(g, found[g], chain)
                 if _own_module(value):
                     wholes.setdefault(name, value)  # passed on or kept: read whole
-                elif name != g and value is not _ABSENT and not only_recorded(code, name):
+                elif name != g and value is not _ABSENT and not self._own_state(code, name):
                     reached.setdefault(name, value)
         importers = any(
             _holds_importer(found[g])
@@ -708,6 +734,13 @@ class HeldReading:
         for name, module in sorted(wholes.items()):
             rows.append(f"global {name}={self._module_whole(module, name, depth)}")
         return rows
+
+    def _own_state(self, code: Any, dotted: str) -> bool:
+        """Whether the global reached at ``dotted`` is the code's own bookkeeping: only
+        recorded into (:func:`only_recorded`), or, in a forward's reading, recorded into or
+        set anywhere (:func:`recorded_at_all`: ``shared.CACHE[key] = w`` beside ``key in
+        shared.CACHE``)."""
+        return only_recorded(code, dotted) or (self.forward and recorded_at_all(code, dotted))
 
     def _module_whole(self, module: types.ModuleType, name: str, depth: int) -> str:
         """A module of the user's that code passes on or keeps where no reading follows it
@@ -765,7 +798,7 @@ class HeldReading:
         globals in turn, so a setting a helper reads is keyed as one the hook reads (recursion
         reads as ``<cycle>``, a chain past :data:`HELD_DEPTH` is refused). A tensor or module
         met inside what a global holds is keyed as a global one (:meth:`_weights`)."""
-        fresh = self.per_global and not self._in_global
+        fresh = self.forward and not self._in_global
         counted, self._count = self._count, 0 if fresh else self._count
         self._in_global += 1
         try:
@@ -1335,6 +1368,16 @@ def _chain_end(ins: list[Any], i: int, parts: list[str]) -> int | None:
     return i + len(parts) - 1
 
 
+def _global_updated(ins: list[Any], i: int) -> bool:
+    """Whether the global loaded at ``ins[i]`` has a field set on it (:func:`sets_a_field`)
+    or an in-place method called on it right after (``ACC.add_(x)``, ``WIN.copy_(w)``: a
+    tensor's trailing underscore)."""
+    after = ins[i + 1] if i + 1 < len(ins) else None
+    name = str(after.argval) if after is not None and after.opname in _METHOD_LOADS else ""
+    in_place = name.endswith("_") and not name.startswith("_")
+    return in_place or sets_a_field(ins, i)
+
+
 def sets_a_field(ins: list[Any], i: int) -> bool:
     """Whether the value loaded at ``ins[i]`` has a field set, bumped or deleted on it right
     after (:func:`field_written`)."""
@@ -1418,6 +1461,27 @@ def _only_recorded(code: Any, dotted: str) -> bool:
 
 #: only_recorded's, by code object and dotted name (:func:`kept_per_object`).
 _RECORDED: dict[Any, Any] = {}
+
+
+def recorded_at_all(code: Any, dotted: str) -> bool:
+    """Whether some use of the global reached at ``dotted`` in a code object (and the code
+    nested in it) records into it or sets a field on it (a memo dict filled, a monitor's
+    field set); kept per code object and name."""
+    return bool(
+        kept_per_object(
+            _RECORDED_ANYWHERE,
+            (code,),
+            dotted,
+            lambda: any(
+                records_into(ins, end) or sets_a_field(ins, end)
+                for ins, _, end in _chain_sites(code, dotted.split("."))
+            ),
+        )
+    )
+
+
+#: recorded_at_all's, by code object and dotted name (:func:`kept_per_object`).
+_RECORDED_ANYWHERE: dict[Any, Any] = {}
 
 
 def attribute_chains(code: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -2308,11 +2372,32 @@ def forward_functions(module: Any) -> tuple[tuple[type, Any], ...]:
     found: dict[tuple[type, Any], None] = {}
     subs = module.modules() if hasattr(module, "modules") else [module]
     for cls in dict.fromkeys(type(sub) for sub in subs if reads_held_attributes(sub)):
-        for klass in cls.__mro__:  # a base class's forward, run through super().forward()
-            forward = method_function(vars(klass).get("forward"))
-            if inspect.isfunction(forward) and not is_library_code(klass):
-                found.update(dict.fromkeys((cls, f) for f in reached_methods(forward, cls)))
+        found.update(dict.fromkeys((cls, f) for f in _methods_run(cls)))
     return tuple(found)
+
+
+def _methods_run(cls: type) -> list[Any]:
+    """The functions of ``cls``'s own classes (not a library's) its ``forward`` may run:
+    each of theirs named ``forward``, and each named as an attribute that code reaches loads
+    (``self.scaled(x)``; a base class's ``scaled`` a subclass's runs through
+    ``super().scaled(x)``, which reaching by name alone finds as the subclass's own), with
+    what each reaches (:func:`reached_methods`), until no more are found."""
+    own = [k for k in cls.__mro__ if not is_library_code(k)]
+    names, found = {"forward"}, dict[Any, None]()
+    while True:
+        defined = [method_function(attr) for k in own for n, attr in vars(k).items() if n in names]
+        new = [
+            f
+            for d in defined
+            if inspect.isfunction(d)
+            for f in reached_methods(d, cls)
+            if f not in found
+        ]
+        if not new:
+            return list(found)
+        found.update(dict.fromkeys(new))
+        for f in new:
+            names |= {n for code in reached_code(f.__code__, cls) for n in attribute_names(code)}
 
 
 def forward_globals(
@@ -2340,7 +2425,7 @@ def forward_globals(
         ''
     """
     functions = forward_functions(module) if functions is None else functions
-    reading = HeldReading(_TreeIds(module), exact=exact, per_global=True)
+    reading = HeldReading(_TreeIds(module), exact=exact, forward=True)
     shadowed = instance_names(module)
     rows = []
     read_before: set[Any] = set()

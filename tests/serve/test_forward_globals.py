@@ -135,6 +135,42 @@ class LooksUpBesideASetting(TinyConvEncoder):
         return super().forward(wav) * EMBEDDINGS[self.word] * SCALE
 
 
+class ScalesInABaseMethod(TinyConvEncoder):
+    def scaled(self, x):
+        return x * shared.GAIN["g"]
+
+    def forward(self, wav):
+        return self.scaled(super().forward(wav))
+
+
+class OverridesTheMethod(ScalesInABaseMethod):
+    def scaled(self, x):
+        return super().scaled(x) + 1.0
+
+
+_warned = False
+_WIN = None
+WINDOWS = {}
+STEP = 0
+ACC = torch.zeros(())
+
+
+class KeepsStateOfItsOwn(TinyConvEncoder):
+    def forward(self, wav):
+        global _warned, _WIN, STEP
+        if not _warned:
+            _warned = True
+        if _WIN is None:
+            _WIN = torch.ones(2)
+        key = str(wav.shape[-1])
+        if key not in WINDOWS:
+            WINDOWS[key] = torch.ones(2)
+        STEP += 1
+        out = super().forward(wav) * _WIN[0] * WINDOWS[key][0]
+        ACC.add_(out.detach().mean())
+        return out
+
+
 class Records(TinyConvEncoder):
     def forward(self, wav):
         global CALLS
@@ -180,6 +216,7 @@ CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
     # A second review of r24.1's first form: each of these was still served stale.
     "read-by-a-base-class-forward-through-super": ("ThroughSuper", _setting),
     "beside-a-table-too-large-to-key": ("LooksUpBesideASetting", lambda m: setattr(m, "SCALE", 4)),
+    "read-by-a-base-method-an-override-runs-through-super": ("OverridesTheMethod", _gain),
     "class-setting-set-on-the-class": (
         "ReadsAClassSetting",
         lambda m: setattr(m.ReadsAClassSetting, "SCALE", 3.0),
@@ -252,6 +289,22 @@ def test_a_forward_recording_into_globals_keeps_its_key(
     assert package.CALLS == 1 and package.shared.MONITOR.last is not None  # one batch ran
     assert from_module(module).fingerprint == before
     assert cached.cache_info()["encoded"] == 2
+    again = _baked_then_reopened(audio_dir, module, tmp_path / "d", n=2)  # on_miss="error"
+    _assert_live(again, module, 2)
+
+
+def test_a_forward_keeping_state_of_its_own_in_globals_keeps_its_key(
+    package: ModuleType, tmp_path: Path, audio_dir: Path
+) -> None:
+    """A warn-once flag, a window made at the first call, a memo dict of windows by length
+    (HiFi-GAN's), a step counter and an accumulator updated in place are the forward's own
+    state, read back or not: r24.1's second form keyed them, so the key changed at the first
+    forward and a dataset refused its second miss as a changed module."""
+    module = package.KeepsStateOfItsOwn().eval()
+    before = from_module(module).fingerprint
+    with torch.inference_mode():
+        module(waves(1))
+    assert package.STEP == 1 and from_module(module).fingerprint == before
     again = _baked_then_reopened(audio_dir, module, tmp_path / "d", n=2)  # on_miss="error"
     _assert_live(again, module, 2)
 
