@@ -22,6 +22,7 @@ from featbake.encode.identity import forward_globals, module_identity
 from featbake.serve.cached_encoder import CachedEncoder
 from featbake.testing import TinyConvEncoder
 from tests.serve.test_cached_encoder import frozen, waves
+from tests.serve.test_held_attributes import served_live_by_an_open_cached_encoder
 from tests.serve.test_watch_keys import (
     _assert_live,
     _baked_then_reopened,
@@ -248,14 +249,7 @@ def test_a_global_the_forward_reads_changed_under_an_open_cached_encoder_is_not_
     its first exact reads): the watch reads the forward's globals at each call."""
     name, change = CHANGES[how]
     module = frozen(getattr(package, name)())
-    x = waves(2)
-    cached = CachedEncoder(module, cache=tmp_path / "c")
-    for _ in range(3):
-        cached(x, ids=["a", "b"])
-    change(package)
-    with torch.inference_mode():
-        now = module(x)
-    torch.testing.assert_close(cached(x, ids=["a", "b"]), now)
+    served_live_by_an_open_cached_encoder(module, tmp_path, lambda: change(package))
 
 
 def test_a_global_changed_after_the_dataset_was_made_refuses_its_misses_in_one_line(

@@ -222,11 +222,18 @@ def test_a_held_setting_changed_under_an_open_cached_encoder_is_not_served_stale
     call (an edit in place keeps the object's id)."""
     cls, change = CHANGES[how]
     module = frozen(cls())
+    served_live_by_an_open_cached_encoder(module, tmp_path, lambda: change(module))
+
+
+def served_live_by_an_open_cached_encoder(module: Any, tmp_path: Path, change: Any) -> None:
+    """Three calls of one ``CachedEncoder`` over frozen ``module`` (its RAM tier warm, its
+    watch past its first exact reads), then ``change()``: the next call serves what the
+    module returns now."""
     x = waves(2)
     cached = CachedEncoder(module, cache=tmp_path / "c")
     for _ in range(3):
         cached(x, ids=["a", "b"])
-    change(module)
+    change()
     with torch.inference_mode():
         now = module(x)
     torch.testing.assert_close(cached(x, ids=["a", "b"]), now)
