@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Protocol, runtime_che
 
 from featbake.encode.fingerprints import Digester, HeldBytes, digest_here, hash_inputs
 from featbake.encode.sources import ScanResult, SkippedInput, Source, source_extensions
-from featbake.encode.tables import is_table, table_at
+from featbake.encode.tables import Table, is_table, table_at
 from featbake.encode.webdataset import is_webdataset, webdataset_at
 from featbake.errors import ConfigError, FeatbakeError, SourceError
 from featbake.progress import Progress
@@ -567,8 +567,9 @@ def falling_back_to(inputs: Inputs, build_workdir: str) -> None:
 
 def input_gone(inputs: Inputs, rel: str, listed: bool) -> bool:
     """Whether item ``rel``, which cannot be hashed now, is gone since its build: no longer
-    listed (a folder's file, a tar's member, a table's row), or a folder's file or a manifest
-    row's own file that no longer exists. Else it is still there and cannot be read as it
+    listed (a folder's file, a tar's member, a table's row), or a folder's file, a manifest
+    row's own file or the file a table's path-only cell names that no longer exists (or that
+    a relative path no longer reaches from here). Else it is still there and cannot be read as it
     now is (a segment past the end of its rewritten file, a channel the file no longer has, a
     member cut short, a cell without bytes): not the input its stored features were made
     from. The one rule of what a dataset serves as built and what an export calls changed.
@@ -577,6 +578,8 @@ def input_gone(inputs: Inputs, rel: str, listed: bool) -> bool:
 
     if not listed:
         return True
+    if isinstance(inputs, Table):  # a cell naming a file gone
+        return inputs.linked_missing(rel)
     if isinstance(inputs, RowInputs):
         item = inputs.items.get(rel)
         file = None if item is None else item.file

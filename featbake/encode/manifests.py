@@ -414,21 +414,23 @@ def manifest_item(
 
 def named_span(fields: Mapping[str, Any], span: Span | None) -> Span | None:
     """The span a row's default id names (:func:`segment_id`): its own, but a NeMo row without
-    an ``offset`` is named as its file (``@chN`` kept), however much of it its ``duration``
-    reads: NeMo's manifests list a file's row by its path and a duration, and its id stays
-    the path as written whatever the duration (a loader's state names the items by id).
+    an ``offset`` that reads to the file's end (a ``duration`` of 0 or less) is named as its
+    file (``@chN`` kept). One that reads ``duration`` seconds is named by them as a segment
+    from 0 is: the same id for other samples would let a row whose file is gone, its duration
+    edited since, be served the features of the old duration, and two rows of one file of
+    other durations would be one id.
 
     Example:
         >>> nemo = {"audio_filepath": "a.wav", "duration": 2.5}
         >>> segment_id("a.wav", named_span(nemo, row_span(nemo)))
-        'a.wav'
-        >>> offset = {**nemo, "offset": 0}
-        >>> segment_id("a.wav", named_span(offset, row_span(offset)))
         'a.wav#0.0-2.5'
+        >>> whole = {**nemo, "duration": 0}
+        >>> segment_id("a.wav", named_span(whole, row_span(whole)))
+        'a.wav'
     """
     if span is None or span.rule is not SampleRule.NEMO or has_value(fields, "offset"):
         return span
-    return span_of(None, None, span.channel)
+    return span_of(None, None, span.channel) if span.to_end else span
 
 
 # == row_inputs ====================================================================================

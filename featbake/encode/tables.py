@@ -520,6 +520,24 @@ class Table:
                     refused[cell] = gone
         return linked, refused
 
+    def linked_missing(self, rel: str) -> bool:
+        """Whether item ``rel``'s cell holds a path and no bytes, and no file is at that path
+        now (deleted since its build, or a relative path a dataset run from another directory
+        does not reach): gone, as a manifest row's missing file is, so a dataset serves the
+        features its build stored (:func:`~featbake.encode.inputs.input_gone`)."""
+        at = self.items.get(rel)
+        if at is None:
+            return False
+        file = self.files[at.file].path
+        named = self._path_only(file, [at.row]).get(at.row)
+        if named is None or urlparse(named).scheme:
+            return False
+        try:
+            cell_file(named, file)
+        except SourceError:
+            return True
+        return False
+
     def _path_only(self, file: str, rows: Collection[int]) -> dict[int, str]:
         """row -> path, for each of ``rows`` of the table's ``file`` whose cell holds a path
         and no bytes; none where its cells are no Audio/Image structs or its column cannot be

@@ -329,6 +329,15 @@ def _as_built(
         item = inputs.items.get(rel) if isinstance(inputs, RowInputs) else None
         if item is not None and item.span is None and item.effects is None:
             whole[rel] = item.file
+    linked = [r for r, v in out.items() if isinstance(v, AsBuilt) and isinstance(inputs, Table)]
+    if linked and rows_edited_since(inputs, root_written(catalog, root)):
+        for rel in linked:  # a row rewritten since may name another file, gone too
+            out[rel] = (
+                f"the file the cell of {rel!r} names is gone (or not reached from this working "
+                "directory), and the table changed since the build: its stored features may be "
+                "another file's; restore the file, run from the build's working directory, or "
+                "run `featbake build`"
+            )
     known = catalog.hash_rows(sorted(set(whole.values()))) if whole else {}
     edited = bool(whole) and rows_edited_since(inputs, root_written(catalog, root))
     for rel, file in whole.items():
@@ -358,10 +367,15 @@ def root_written(catalog: ServingStore, name: str) -> float | None:
 
 
 def rows_edited_since(inputs: Inputs, when: float | None) -> bool:
-    """Whether the files that define ``inputs``' rows (a manifest, a Kaldi folder's files)
-    changed after ``when``: a row whose file is gone may then name another file than the one
-    its features were made from. False where ``when`` is not known (served as built)."""
-    if when is None or not isinstance(inputs, RowInputs):
+    """Whether the files that define ``inputs``' rows (a manifest, a Kaldi folder's files, a
+    table's files) changed after ``when``: a row whose file is gone may then name another file
+    than the one its features were made from. False where ``when`` is not known (served as
+    built)."""
+    if when is None:
+        return False
+    if isinstance(inputs, Table):  # its local files (a bucket's: served as built)
+        return any(os.path.isfile(f.path) and os.stat(f.path).st_mtime > when for f in inputs.files)
+    if not isinstance(inputs, RowInputs):
         return False
     origin = inputs.origin
     try:

@@ -1786,11 +1786,37 @@ def test_a_nemo_row_without_an_offset_is_read_for_its_duration_from_0(
     the file's start, truncated (0.30007 s at 16 kHz: 4,801 of 4,801.12; 0.30004 s: 4,800 of
     4,800.64, where the nearest sample would read 4,801). Before, a ``duration`` without an
     ``offset`` was taken for a label and each row was served its whole file (16,000, 16,000
-    and 32,000 samples). The ids stay the paths as written, as NeMo lists a file's row."""
+    and 32,000 samples). Each id names its duration, as a segment from 0 is named."""
     rows = [("a.wav", 1.0, None, 0.30007), ("b.wav", 1.0, None, 0.30004), ("c.wav", 2.0, None, 1.5)]
     ds = nemo_store(tmp_path, store_dir, rows)
     assert [len(served_samples(ds, i)) for i in range(3)] == [4801, 4800, 24000]
-    assert [ds.item_id(i) for i in range(3)] == ["a.wav", "b.wav", "c.wav"]
+    ids = ["a.wav#0.0-0.30007", "b.wav#0.0-0.30004", "c.wav#0.0-1.5"]
+    assert [ds.item_id(i) for i in range(3)] == ids
+
+
+def test_nemo_rows_of_one_file_and_other_durations_are_other_items_never_served_the_old(
+    tmp_path: Path, store_dir: Path
+) -> None:
+    """A second review of r24.3: a NeMo row without an offset was named by its path whatever
+    its duration, so two rows of one file with other durations were refused as one id (the
+    whole manifest, exit 8), and a row whose file was deleted, its duration edited since, was
+    served the old duration's features as built (32,000 samples where it reads 8,000). The
+    id now names the duration: both rows are items, and the edited row is not served."""
+    encoder = save_torchscript(SamplesFed(), tmp_path / "samples.pt")
+    noise_file(tmp_path / "a.wav", 3.0, seed=60)
+    rows = [
+        {"audio_filepath": "a.wav", "duration": 1.0, "text": "one"},
+        {"audio_filepath": "a.wav", "duration": 2.0, "text": "two"},
+    ]
+    m = write_jsonl(tmp_path / "train_manifest.json", rows)
+    report = build(m, encoder, cache=store_dir, workers=0, column="audio_filepath")
+    assert (report.encoded, report.failed) == (2, [])
+    ds = quiet_dataset(m, encoder, store_dir, on_miss="error", column="audio_filepath")
+    assert [len(served_samples(ds, i)) for i in range(2)] == [16000, 32000]
+    (tmp_path / "a.wav").unlink()
+    write_jsonl(m, [{**rows[1], "duration": 0.5}])
+    gone = quiet_dataset(m, encoder, store_dir, column="audio_filepath")
+    assert len(gone) == 0
 
 
 def test_a_nemo_duration_of_0_or_less_reads_to_the_end_from_the_offset(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -312,3 +313,46 @@ def test_the_cli_builds_a_folder_of_path_only_parquet_and_exits_3_naming_the_mis
         want = run_now(module, clip_tensor(t.files[n]))
         torch.testing.assert_close(stored[f"train.parquet:{n}"][""], want, msg=str(n))
     assert os.getcwd() == str(t.project)
+
+
+def test_rows_whose_clips_are_not_found_now_are_served_as_built_and_kept_by_gc(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dataset opened from another working directory (relative clips not reached from
+    there), or after a clip was deleted, serves the rows as built, as a manifest row whose file
+    is gone is served; its root keeps them, so `gc` keeps their features. Before, such rows
+    were dropped, the root was published again without them, and `gc` freed their features:
+    the dataset from the build's directory then missed all of them. A row of a table rewritten
+    since the build that names a file gone is not served as built (it may name another)."""
+    t = PathTable(tmp_path)
+    monkeypatch.chdir(t.project)
+    store = tmp_path / "store"
+    build(t.table, encoder_file, cache=store, workers=0, column="audio")
+    module = encoder_now(encoder_file)
+    rows = (0, 1, 2, 4)
+    elsewhere = tmp_path / "job"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pytest.warns(UserWarning):
+        away = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+    assert [away.item_id(i) for i in range(len(away))] == [f"train.parquet:{n}" for n in rows]
+    for i, n in enumerate(rows):
+        assert torch.equal(away[i], run_now(module, clip_tensor(t.files[n]))), n
+    assert invoke("gc", "--cache", store, "--grace", "0s").returncode == 0
+    monkeypatch.chdir(t.project)
+    kept = t.files[4].read_bytes()
+    t.files[4].unlink()
+    with pytest.warns(UserWarning):
+        home = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+    assert len(home) == len(rows)
+    for i, n in enumerate(rows):  # row 4's clip gone: as built
+        want = clip_tensor(t.files[n]) if n != 4 else None
+        if want is None:
+            t.files[4].write_bytes(kept)
+            want = clip_tensor(t.files[4])
+            t.files[4].unlink()
+        assert torch.equal(home[i], run_now(module, want)), n
+    os.utime(t.table, (time.time() + 5, time.time() + 5))  # rewritten after the build
+    with pytest.warns(UserWarning):
+        edited = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+    assert "train.parquet:4" not in [edited.item_id(i) for i in range(len(edited))]
