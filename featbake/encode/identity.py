@@ -677,10 +677,15 @@ class HeldReading:
 
     def class_settings(self, cls: type, func: Any, shadowed: frozenset[str]) -> str:
         """The data ``cls`` holds that ``func`` and the methods of ``cls`` it reaches read
-        as ``self.K`` or ``cls.K`` (:meth:`_class_reads`), none of ``shadowed`` (names its
-        instances hold themselves); ``""`` where it reads none."""
-        text = self._class_reads(cls, func, dict.fromkeys(shadowed), 0)
-        return "" if text == "class[]" else text
+        as ``self.K`` or ``cls.K`` (:func:`class_data_names`, as :meth:`_class_reads` reads a
+        hook object's), none of ``shadowed`` (names its instances hold themselves); ``""``
+        where it reads none."""
+        rows = []
+        for n in class_data_names(cls, func):
+            found = _ABSENT if n in shadowed else namespace_attribute(cls, n)
+            if found is not _ABSENT and is_data(found) and not isinstance(found, type):
+                rows.append(f"{n}={self.text(found, n, 0)}")
+        return f"class[{','.join(rows)}]" if rows else ""
 
     def globals_read(self, func: Any) -> list[str]:
         """The globals ``func``'s code reads, each as ``global name=text``
@@ -1030,6 +1035,33 @@ def _reached_methods(func: Any, cls: type) -> list[Any]:
 _METHODS: dict[Any, Any] = {}
 
 
+def class_data_names(cls: type, func: Any) -> tuple[str, ...]:
+    """The names ``func`` and the methods of ``cls`` it reaches load (:func:`loaded_names`)
+    that name data on ``cls`` (no method, class or descriptor): what a watch reads of the
+    class at each forward, found once per code object and class (a forward loads thirty
+    names, ``stft`` and ``matmul`` among them, and looking each up on the class cost 0.6 ms a
+    call). A name bound on the class later, where the instance held it before, is the
+    instance's (keyed as an attribute)."""
+    return tuple(
+        kept_per_object(
+            _CLASS_DATA,
+            (func.__code__, cls),
+            None,
+            lambda: [
+                n
+                for n in loaded_names(func, cls)
+                if is_data(found := namespace_attribute(cls, n))
+                and found is not _ABSENT
+                and not isinstance(found, type)
+            ],
+        )
+    )
+
+
+#: class_data_names's, by code object and class (:func:`kept_per_object`).
+_CLASS_DATA: dict[Any, Any] = {}
+
+
 def loaded_names(func: Any, cls: type) -> tuple[str, ...]:
     """The attribute names ``func`` and the methods of ``cls`` it reaches load (``self.scale``,
     ``cls.GAIN``), sorted: where a class attribute may be read. Kept per code object and
@@ -1116,7 +1148,8 @@ def followed_helper(value: Any) -> Any:
     (``GAIN = partial(scaled, key="gain")``); a partial of any function that binds arguments
     (``partial(F.normalize, p=2)``: the arguments are settings, the library function is read
     by its name); an object of a class whose ``__call__`` is one
-    (a torchaudio-style transform object). A global that is none of these, or library code
+    (a torchaudio-style transform object); a function ``functools.lru_cache`` or ``cache``
+    wraps (whisper's ``mel_filters``). A global that is none of these, or library code
     (:func:`is_own_code`: the standard library, installed packages, torch and featbake,
     whose changes the code rule and the library versions answer for), gives None. A decorated
     helper (``@torch.no_grad()``) is followed by the function it wraps where only that is the
@@ -1138,6 +1171,9 @@ def followed_helper(value: Any) -> Any:
         return value if followed_helper(value.__func__) is not None else None
     if isinstance(value, (type, types.ModuleType)):
         return None
+    wrapped = getattr(value, "__wrapped__", None)
+    if type(value).__module__ == "functools" and inspect.isfunction(wrapped):
+        return followed_helper(wrapped)  # @lru_cache, @cache: the function it caches
     runs = _runs(value)
     return value if inspect.isfunction(runs) and followed_helper(runs) is not None else None
 

@@ -35,6 +35,7 @@ from tests.serve.test_watch_keys import (
 _PACKAGE = "fwdglobals"
 
 _SHARED = """
+import functools
 import types
 import numpy as np
 import torch
@@ -50,6 +51,14 @@ SEEN = []
 
 def gained(x):
     return x * GAIN["g"]
+
+
+CACHED = {"g": 1.0}
+
+
+@functools.lru_cache
+def cached_gain():
+    return CACHED["g"]
 """
 
 _MODEL = """
@@ -110,6 +119,11 @@ class ReadsAClassSetting(TinyConvEncoder):
 
     def forward(self, wav):
         return super().forward(wav) * self.SCALE * type(self).OPTIONS["gain"]
+
+
+class CallsACachedHelper(TinyConvEncoder):
+    def forward(self, wav):
+        return super().forward(wav) * shared.cached_gain()
 
 
 class ReadsAnArray(TinyConvEncoder):
@@ -202,6 +216,11 @@ def _gain(model: ModuleType) -> None:
     model.shared.GAIN["g"] = 3.0
 
 
+def _cached_gain(model: ModuleType) -> None:
+    model.shared.CACHED["g"] = 3.0
+    model.shared.cached_gain.cache_clear()
+
+
 #: Each case: the class of ``model`` and a change of a global its forward reads.
 CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
     "namespace-setting-edited": ("ReadsASetting", _setting),
@@ -218,6 +237,7 @@ CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
     "read-by-a-base-class-forward-through-super": ("ThroughSuper", _setting),
     "beside-a-table-too-large-to-key": ("LooksUpBesideASetting", lambda m: setattr(m, "SCALE", 4)),
     "read-by-a-base-method-an-override-runs-through-super": ("OverridesTheMethod", _gain),
+    "read-by-a-helper-lru_cache-wraps": ("CallsACachedHelper", _cached_gain),
     "class-setting-set-on-the-class": (
         "ReadsAClassSetting",
         lambda m: setattr(m.ReadsAClassSetting, "SCALE", 3.0),
