@@ -1037,11 +1037,11 @@ _METHODS: dict[Any, Any] = {}
 
 def class_data_names(cls: type, func: Any) -> tuple[str, ...]:
     """The names ``func`` and the methods of ``cls`` it reaches load (:func:`loaded_names`)
-    that name data on ``cls`` (no method, class or descriptor): what a watch reads of the
-    class at each forward, found once per code object and class (a forward loads thirty
-    names, ``stft`` and ``matmul`` among them, and looking each up on the class cost 0.6 ms a
-    call). A name bound on the class later, where the instance held it before, is the
-    instance's (keyed as an attribute)."""
+    that ``cls`` has (data, a method, a property: one may be bound to data later): what a
+    watch looks up on the class at each forward, found once per code object and class (a
+    forward loads thirty names, ``stft`` and ``matmul`` among them, and looking each up on
+    the class cost 0.6 ms a call). A name the class gains later is not read (``getattr(self,
+    "K", 1.0)`` with ``Cls.K`` set after the first read)."""
     return tuple(
         kept_per_object(
             _CLASS_DATA,
@@ -1050,9 +1050,7 @@ def class_data_names(cls: type, func: Any) -> tuple[str, ...]:
             lambda: [
                 n
                 for n in loaded_names(func, cls)
-                if is_data(found := namespace_attribute(cls, n))
-                and found is not _ABSENT
-                and not isinstance(found, type)
+                if inspect.getattr_static(cls, n, _ABSENT) is not _ABSENT
             ],
         )
     )

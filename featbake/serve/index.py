@@ -42,6 +42,7 @@ from featbake.encode.webdataset import WebDataset
 from featbake.errors import SourceError
 from featbake.keys import feature_key, root_id, sha256_hex
 from featbake.store.catalog import ServingStore
+from featbake.store.containers import split_item_path
 from featbake.store.hash_cache import FileStat
 from featbake.store.roots import Root, RootSpec, root_file
 
@@ -330,8 +331,9 @@ def _as_built(
         if item is not None and item.span is None and item.effects is None:
             whole[rel] = item.file
     linked = [r for r, v in out.items() if isinstance(v, AsBuilt) and isinstance(inputs, Table)]
-    if linked and rows_edited_since(inputs, root_written(catalog, root)):
-        for rel in linked:  # a row rewritten since may name another file, gone too
+    changed = table_files_changed(inputs, root_written(catalog, root)) if linked else set()
+    for rel in linked:
+        if split_item_path(inputs.path(rel))[0] in changed:  # its row may name another file
             out[rel] = (
                 f"the file the cell of {rel!r} names is gone (or not reached from this working "
                 "directory), and the table changed since the build: its stored features may be "
@@ -366,15 +368,31 @@ def root_written(catalog: ServingStore, name: str) -> float | None:
         return None
 
 
+def table_files_changed(inputs: Inputs, when: float | None) -> set[str]:
+    """The local files of a table whose status changed after ``when`` (its root's writing):
+    by its change time as well as its modification time, which ``os.utime`` or ``cp -p`` set
+    back; a row of one of them may name another file than its features were made from (a
+    table's ids are positions). None where ``when`` is not known (served as built)."""
+    if when is None or not isinstance(inputs, Table):
+        return set()
+    out = set()
+    for f in inputs.files:
+        try:
+            st = os.stat(f.path)
+        except OSError:
+            continue  # a bucket's object, or gone: its rows are served as built
+        if max(st.st_mtime, st.st_ctime) > when:
+            out.add(f.path)
+    return out
+
+
 def rows_edited_since(inputs: Inputs, when: float | None) -> bool:
-    """Whether the files that define ``inputs``' rows (a manifest, a Kaldi folder's files, a
-    table's files) changed after ``when``: a row whose file is gone may then name another file
+    """Whether the files that define ``inputs``' rows (a manifest, a Kaldi folder's files)
+    changed after ``when``: a row whose file is gone may then name another file
     than the one its features were made from. False where ``when`` is not known (served as
     built)."""
     if when is None:
         return False
-    if isinstance(inputs, Table):  # its local files (a bucket's: served as built)
-        return any(os.path.isfile(f.path) and os.stat(f.path).st_mtime > when for f in inputs.files)
     if not isinstance(inputs, RowInputs):
         return False
     origin = inputs.origin
