@@ -680,11 +680,7 @@ class HeldReading:
         as ``self.K`` or ``cls.K`` (:func:`class_data_names`, as :meth:`_class_reads` reads a
         hook object's), none of ``shadowed`` (names its instances hold themselves); ``""``
         where it reads none."""
-        rows = []
-        for n in class_data_names(cls, func):
-            found = _ABSENT if n in shadowed else namespace_attribute(cls, n)
-            if found is not _ABSENT and is_data(found) and not isinstance(found, type):
-                rows.append(f"{n}={self.text(found, n, 0)}")
+        rows = self._class_rows(cls, class_data_names(cls, func), shadowed, 0)
         return f"class[{','.join(rows)}]" if rows else ""
 
     def globals_read(self, func: Any) -> list[str]:
@@ -1001,12 +997,19 @@ class HeldReading:
         ``self.scale`` or ``cls.GAIN`` (names they load) that hold data and no instance
         attribute in ``held`` shadows: a hook object's or transform's setting kept on its
         class, by value."""
+        return f"class[{','.join(self._class_rows(cls, loaded_names(runs, cls), held, depth))}]"
+
+    def _class_rows(
+        self, cls: type, names: Iterable[str], shadowed: Container[str], depth: int
+    ) -> list[str]:
+        """``name=text`` for each of ``names`` that ``cls`` holds data under (no method,
+        class or descriptor) and no instance attribute in ``shadowed`` shadows."""
         rows = []
-        for n in loaded_names(runs, cls):
-            found = _ABSENT if n in held else namespace_attribute(cls, n)
+        for n in names:
+            found = _ABSENT if n in shadowed else namespace_attribute(cls, n)
             if found is not _ABSENT and is_data(found) and not isinstance(found, type):
                 rows.append(f"{n}={self.text(found, n, depth)}")
-        return f"class[{','.join(rows)}]"
+        return rows
 
 
 def reached_methods(func: Any, cls: type) -> tuple[Any, ...]:
@@ -1487,7 +1490,7 @@ def _only_recorded(code: Any, dotted: str) -> bool:
     if reached_otherwise(code, dotted.split(".")):
         return False
     for ins, _, end in _chain_sites(code, dotted.split(".")):
-        if not (records_into(ins, end) or sets_a_field(ins, end)):
+        if not _recorded_site(ins, end):
             return False
         sites += 1
     return sites > 0  # none: reached otherwise (getattr), read
@@ -1495,6 +1498,12 @@ def _only_recorded(code: Any, dotted: str) -> bool:
 
 #: only_recorded's, by code object and dotted name (:func:`kept_per_object`).
 _RECORDED: dict[Any, Any] = {}
+
+
+def _recorded_site(ins: list[Any], end: int) -> bool:
+    """Whether the use of a global whose chain ends at ``ins[end]`` records into it
+    (:func:`~featbake.keys.records_into`) or sets a field on it (:func:`sets_a_field`)."""
+    return records_into(ins, end) or sets_a_field(ins, end)
 
 
 def recorded_at_all(code: Any, dotted: str) -> bool:
@@ -1507,8 +1516,7 @@ def recorded_at_all(code: Any, dotted: str) -> bool:
             (code,),
             dotted,
             lambda: any(
-                records_into(ins, end) or sets_a_field(ins, end)
-                for ins, _, end in _chain_sites(code, dotted.split("."))
+                _recorded_site(ins, end) for ins, _, end in _chain_sites(code, dotted.split("."))
             ),
         )
     )
@@ -2458,6 +2466,14 @@ def forward_globals(
         >>> forward_globals(torch.nn.Linear(2, 2), exact=True)
         ''
     """
+    return ";".join(row for _, row in forward_reads(module, exact=exact, functions=functions))
+
+
+def forward_reads(
+    module: Any, *, exact: bool, functions: Iterable[tuple[type, Any]] | None = None
+) -> list[tuple[tuple[type, Any], str]]:
+    """:func:`forward_globals`' rows, each with the ``(class, function)`` it is of: those
+    that read anything, in one reading (what a watch's plan keeps to read at each forward)."""
     functions = forward_functions(module) if functions is None else functions
     reading = HeldReading(_TreeIds(module), exact=exact, forward=True)
     shadowed = instance_names(module)
@@ -2469,9 +2485,10 @@ def forward_globals(
         settings = reading.class_settings(cls, func, shadowed.get(cls, frozenset()))
         read += [settings] if settings else []
         if read:
-            owner = "__main__" if func.__module__ == "__mp_main__" else func.__module__
-            rows.append(f"{owner}.{func.__qualname__}@{cls.__qualname__}({','.join(read)})")
-    return ";".join(rows)
+            owner = _script_named(func.__module__)
+            named = f"{owner}.{func.__qualname__}@{cls.__qualname__}({','.join(read)})"
+            rows.append(((cls, func), named))
+    return rows
 
 
 def instance_names(module: Any) -> dict[type, frozenset[str]]:

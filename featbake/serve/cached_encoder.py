@@ -54,8 +54,8 @@ from featbake.encode.identity import (
     attribute_digest,
     attribute_row,
     foreign_global_hooks,
-    forward_functions,
     forward_globals,
+    forward_reads,
     held_attribute,
     held_attribute_text,
     held_values,
@@ -335,8 +335,7 @@ def glance_plan(module: nn.Module) -> GlancePlan | None:
         held = _held_attributes(sub, attrs, public)
         looks.append(_Look(weakref.ref(sub), pick, len(public) > 1, listy, name, public, held))
     tensors = tuple(weakref.ref(t) for t in (*module.parameters(), *module.buffers()))
-    functions = forward_functions(module)
-    reads = tuple(f for f in functions if forward_globals(module, exact=False, functions=(f,)))
+    reads = tuple(pair for pair, _ in forward_reads(module, exact=False))
     return GlancePlan(tuple(looks), tensors, reads)
 
 
