@@ -243,6 +243,8 @@ class Table:
         self.kinds: list[CellKind] = []  # per file
         self.text = False  # the source is text: the column holds strings (set by the scan)
         self.items: dict[str, Row] = {}  # id -> where, in the table's order
+        #: file index -> its path-only cells' paths by row (:meth:`_paths_named`), per scan
+        self._named: dict[int, dict[int, str]] = {}
         self.positions: dict[str, int] = {}  # file path -> its index (see file_index)
         #: a local file -> its stat when the scan read its rows (None: it changed meanwhile):
         #: the version each id's row is of, which hashing and decoding check (carried into
@@ -287,6 +289,7 @@ class Table:
         skipped: list[SkippedInput] = []
         seen: dict[str, str] = {}
         self.items = {}  # a scan starts afresh
+        self._named = {}
         for i, (f, (schema, ids)) in enumerate(zip(self.files, listings, strict=True)):
             why = self._unusable(schema, self.kinds[i])
             for row, ident in enumerate(ids):
@@ -529,7 +532,7 @@ class Table:
         if at is None:
             return False
         file = self.files[at.file].path
-        named = self._path_only(file, [at.row]).get(at.row)
+        named = self._paths_named(at.file).get(at.row)
         if named is None or urlparse(named).scheme:
             return False
         try:
@@ -537,6 +540,16 @@ class Table:
         except SourceError:
             return True
         return False
+
+    def _paths_named(self, index: int) -> dict[int, str]:
+        """:meth:`_path_only` of every scanned row of the table's file ``index``, read once
+        per scan: a dataset asks of each row it cannot hash (every row, opened from a
+        directory its relative paths do not reach), and each ask read the column again."""
+        found = self._named.get(index)
+        if found is None:
+            rows = [at.row for at in self.items.values() if at.file == index]
+            found = self._named[index] = self._path_only(self.files[index].path, rows)
+        return found
 
     def _path_only(self, file: str, rows: Collection[int]) -> dict[int, str]:
         """row -> path, for each of ``rows`` of the table's ``file`` whose cell holds a path

@@ -330,7 +330,9 @@ def _as_built(
         item = inputs.items.get(rel) if isinstance(inputs, RowInputs) else None
         if item is not None and item.span is None and item.effects is None:
             whole[rel] = item.file
-    linked = [r for r, v in out.items() if isinstance(v, AsBuilt) and isinstance(inputs, Table)]
+    linked = (
+        [r for r, v in out.items() if isinstance(v, AsBuilt)] if isinstance(inputs, Table) else []
+    )
     changed = table_files_changed(inputs, root_written(catalog, root)) if linked else set()
     for rel in linked:
         if split_item_path(inputs.path(rel))[0] in changed:  # its row may name another file
@@ -388,12 +390,9 @@ def table_files_changed(inputs: Inputs, when: float | None) -> set[str]:
 
 def rows_edited_since(inputs: Inputs, when: float | None) -> bool:
     """Whether the files that define ``inputs``' rows (a manifest, a Kaldi folder's files)
-    changed after ``when``: a row whose file is gone may then name another file
-    than the one its features were made from. False where ``when`` is not known (served as
-    built)."""
-    if when is None:
-        return False
-    if not isinstance(inputs, RowInputs):
+    changed after ``when``: a row whose file is gone may then name another file than the one
+    its features were made from. False where ``when`` is not known (served as built)."""
+    if when is None or not isinstance(inputs, RowInputs):
         return False
     origin = inputs.origin
     try:

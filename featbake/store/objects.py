@@ -536,11 +536,8 @@ class ObjectStore(ProcessLocalState):
                 except TriesSpent as e:
                     last = last or e
                     break
-                except PutAgain as e:
-                    last = e
-                    time.sleep(0.1 * 2**attempt * backoff_scale())
                 except Transient as e:
-                    last = e.__cause__ or e
+                    last = e.__cause__ or e  # a PutAgain has none: itself
                     time.sleep(0.1 * 2**attempt * backoff_scale())
         raise StoreError(self.not_downloaded(name, last)) from last
 
