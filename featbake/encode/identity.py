@@ -28,6 +28,7 @@ import sysconfig
 import threading
 import types
 import uuid
+import warnings
 import weakref
 import zipfile
 from collections.abc import Container, Iterable, Iterator, Mapping
@@ -829,7 +830,7 @@ class HeldReading:
             return self.text(value, name, depth)  # model.forward: the module by its state
         helper = followed_helper(value)
         if helper is None:
-            return None
+            return library_bound_anew(name, value, code)
         if isinstance(helper, (types.FunctionType, functools.partial, types.MethodType)):
             return self.text(helper, name, depth)
         runs = unwrapped(_runs(helper))  # a callable object: its __call__'s code, what it holds
@@ -1003,12 +1004,18 @@ class HeldReading:
         self, cls: type, names: Iterable[str], shadowed: Container[str], depth: int
     ) -> list[str]:
         """``name=text`` for each of ``names`` that ``cls`` holds data under (no method,
-        class or descriptor) and no instance attribute in ``shadowed`` shadows."""
+        class or descriptor) and no instance attribute in ``shadowed`` shadows. What a class
+        holds is every instance's, as a global is: a tensor or array by its values (a window
+        edited in place, ``Cls.WINDOW.mul_(2)``), a module by its state."""
         rows = []
-        for n in names:
-            found = _ABSENT if n in shadowed else namespace_attribute(cls, n)
-            if found is not _ABSENT and is_data(found) and not isinstance(found, type):
-                rows.append(f"{n}={self.text(found, n, depth)}")
+        self._in_global += 1
+        try:
+            for n in names:
+                found = _ABSENT if n in shadowed else namespace_attribute(cls, n)
+                if found is not _ABSENT and is_data(found) and not isinstance(found, type):
+                    rows.append(f"{n}={self.text(found, n, depth)}")
+        finally:
+            self._in_global -= 1
         return rows
 
 
@@ -1041,15 +1048,16 @@ _METHODS: dict[Any, Any] = {}
 def class_data_names(cls: type, func: Any) -> tuple[str, ...]:
     """The names ``func`` and the methods of ``cls`` it reaches load (:func:`loaded_names`)
     that ``cls`` has (data, a method, a property: one may be bound to data later): what a
-    watch looks up on the class at each forward, found once per code object and class (a
-    forward loads thirty names, ``stft`` and ``matmul`` among them, and looking each up on
-    the class cost 0.6 ms a call). A name the class gains later is not read (``getattr(self,
-    "K", 1.0)`` with ``Cls.K`` set after the first read)."""
+    watch looks up on the class at each forward, found once per code object, class and
+    :func:`class_layout` (a forward loads thirty names, ``stft`` and ``matmul`` among them,
+    and looking each up on the class cost 0.6 ms a call). A name the class gains later
+    (``getattr(self, "K", 1.0)`` with ``Cls.K`` set after the first read) or loses changes
+    its layout, so the names are found again."""
     return tuple(
         kept_per_object(
             _CLASS_DATA,
             (func.__code__, cls),
-            None,
+            class_layout(cls),
             lambda: [
                 n
                 for n in loaded_names(func, cls)
@@ -1057,6 +1065,13 @@ def class_data_names(cls: type, func: Any) -> tuple[str, ...]:
             ],
         )
     )
+
+
+def class_layout(cls: type) -> tuple[int, ...]:
+    """How many names each class in ``cls``'s MRO holds: what changes where a class gains a
+    name or loses one (``Cls.K = 3.0`` set where it had none, ``del Cls.K``), read in a few
+    hundred nanoseconds at each forward."""
+    return tuple(len(vars(klass)) for klass in cls.__mro__)
 
 
 #: class_data_names's, by code object and class (:func:`kept_per_object`).
@@ -1073,9 +1088,62 @@ def loaded_names(func: Any, cls: type) -> tuple[str, ...]:
 
 
 def _loaded_names(func: Any, cls: type) -> list[str]:
-    """:func:`loaded_names`, made anew."""
+    """:func:`loaded_names`, made anew: each attribute loaded, and each name a
+    ``getattr(self, "K", 1.0)`` or ``hasattr(self, "K")`` asks by a constant."""
     loads = (op for code in reached_code(func.__code__, cls) for op in dis.get_instructions(code))
-    return sorted({str(op.argval) for op in loads if op.opname in _METHOD_LOADS})
+    names = {str(op.argval) for op in loads if op.opname in _METHOD_LOADS}
+    return sorted(names.union(names_asked(func, cls)))
+
+
+def may_read_later(cls: type, func: Any) -> bool:
+    """Whether ``func`` (a forward of ``cls``, or a method it runs) reading no setting now
+    may read one later: a name it asks by ``getattr(self, "K", 1.0)`` the class may gain
+    (:func:`names_asked`), a global bound to a library function as its file binds it, which
+    a script may bind anew (:func:`library_bound_anew`). A watch's plan reads those at each
+    forward too."""
+    if names_asked(func, cls):
+        return True
+    found = func.__globals__
+    return any(
+        callable(v) and not isinstance(v, (type, types.ModuleType))
+        for v in (found.get(g) for g in global_names(func.__code__))
+    )
+
+
+def names_asked(func: Any, cls: type) -> tuple[str, ...]:
+    """The names ``func`` and the methods of ``cls`` it reaches ask by ``getattr(self, "K",
+    1.0)`` or ``hasattr(self, "K")``: settings a class may gain after a watch planned what
+    to read (a forward reading none now reads one once ``Cls.K`` is set). Kept per code
+    object and class."""
+    return tuple(
+        kept_per_object(_ASKED, (func.__code__, cls), None, lambda: _names_asked(func, cls))
+    )
+
+
+def _names_asked(func: Any, cls: type) -> list[str]:
+    """:func:`names_asked`, made anew."""
+    names: set[str] = set()
+    for code in reached_code(func.__code__, cls):
+        ins = list(dis.get_instructions(code))
+        names.update(n for i in range(len(ins)) if (n := _asked_by_name(ins, i)) is not None)
+    return sorted(names)
+
+
+#: names_asked's, by code object and class (:func:`kept_per_object`).
+_ASKED: dict[Any, Any] = {}
+
+
+def _asked_by_name(ins: list[Any], i: int) -> str | None:
+    """The constant name ``getattr(obj, "K"[, default])`` or ``hasattr(obj, "K")`` at
+    ``ins[i]`` (the load of ``getattr`` or ``hasattr``) asks of a local or global ``obj``
+    (``self``), or None."""
+    if ins[i].opname != "LOAD_GLOBAL" or ins[i].argval not in ("getattr", "hasattr"):
+        return None
+    after = ins[i + 1 : i + 3]
+    if [o.opname for o in after][:1] not in (["LOAD_FAST"], ["LOAD_DEREF"], ["LOAD_GLOBAL"]):
+        return None
+    named = after[1].argval if len(after) == 2 and after[1].opname == "LOAD_CONST" else None
+    return named if isinstance(named, str) else None
 
 
 #: loaded_names's, by code object and class (:func:`kept_per_object`).
@@ -1177,6 +1245,79 @@ def followed_helper(value: Any) -> Any:
         return followed_helper(wrapped)  # @lru_cache, @cache: the function it caches
     runs = _runs(value)
     return value if inspect.isfunction(runs) and followed_helper(runs) is not None else None
+
+
+def library_bound_anew(name: str, value: Any, code: Any) -> str | None:
+    """A library's function a global binds otherwise than its source says (``models.ACT =
+    torch.tanh`` set by a script where the file says ``ACT = torch.sigmoid``), by its module
+    and qualified name, or None (read by the code rule, as before): which library function
+    runs is a setting there, bound anew with no code of the module changed. One bound as the
+    file of ``code`` binds it at its top level (``from json import dumps as json_dumps``,
+    ``ACT = torch.sigmoid``: :func:`bound_in_source`), or under its own name, is the code's
+    own choice, keyed by the file's source; a dotted name reached through a module of the
+    user's (``utils.ACT``) is read where its name differs from the function's. Modules
+    (``import numpy as np``) and classes are code."""
+    own = getattr(value, "__name__", None)
+    if isinstance(value, (type, types.ModuleType)) or not callable(value):
+        return None
+    if not isinstance(own, str) or own == name.rpartition(".")[2]:
+        return None
+    if "." not in name and own in bound_in_source(code.co_filename).get(name, ()):
+        return None
+    qualname = getattr(value, "__qualname__", own)
+    return f"<{getattr(value, '__module__', None) or ''}.{qualname}>"
+
+
+def bound_in_source(filename: str) -> Mapping[str, frozenset[str]]:
+    """Each name the file's top level (``if`` and ``try`` blocks too) binds by an import
+    or an assignment of a name or attribute, with the names those bind it to: ``from json
+    import dumps as json_dumps`` gives ``json_dumps: {dumps}``, ``ACT = torch.sigmoid``
+    gives ``ACT: {sigmoid}``. Empty for a file not read (none, or no Python). Kept per file.
+
+    Example:
+        >>> bound_in_source("<stdin>")
+        {}
+    """
+    kept = _BOUND.get(filename)
+    if kept is None:
+        try:
+            tree = ast.parse(Path(filename).read_bytes())
+        except (OSError, SyntaxError, ValueError):
+            tree = ast.Module(body=[], type_ignores=[])
+        bound: dict[str, set[str]] = {}
+        for node in _top_level(tree.body):
+            for target, source in _bindings(node):
+                bound.setdefault(target, set()).add(source)
+        kept = _BOUND[filename] = {k: frozenset(v) for k, v in bound.items()}
+    return kept
+
+
+#: bound_in_source's, by file name.
+_BOUND: dict[str, dict[str, frozenset[str]]] = {}
+
+
+def _top_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements of a module's top level, those in its ``if``, ``try`` and ``with``
+    blocks too (``try: from x import y except ImportError: ...``)."""
+    for node in body:
+        yield node
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            nested = [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", [])]
+            nested += [s for h in getattr(node, "handlers", []) for s in h.body]
+            yield from _top_level(nested)
+
+
+def _bindings(node: ast.stmt) -> list[tuple[str, str]]:
+    """``(name bound, name it is bound to)`` for a statement binding names by an import
+    from a module or an assignment of a name or attribute (``ACT = torch.sigmoid``)."""
+    if isinstance(node, ast.ImportFrom):
+        return [(a.asname or a.name, a.name) for a in node.names]
+    if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+        value = node.value
+        source = value.attr if isinstance(value, ast.Attribute) else getattr(value, "id", None)
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return [(t.id, source) for t in targets if isinstance(t, ast.Name) and source]
+    return []
 
 
 def is_own_code(func: Any) -> bool:
@@ -2399,8 +2540,44 @@ def module_identity(module: Any) -> str:
     ident = f"{ident}\ncode:{code_identity(module)}\nattrs:{attribute_identity(module)}"
     hooks = hook_identity(module)
     ident = f"{ident}\nhooks:{hooks}" if hooks else ident
-    read = forward_globals(module, exact=True)
+    left_out: list[tuple[type, str]] = []
+    read = ";".join(row for _, row in forward_reads(module, exact=True, left_out=left_out))
+    warn_left_out(left_out)
     return f"{ident}\nglobals:{hashlib.sha256(read.encode()).hexdigest()}" if read else ident
+
+
+class KeyLeftOutWarning(UserWarning):
+    """What a module's forward reads that no key can read (:func:`warn_left_out`)."""
+
+
+def warn_left_out(left_out: Iterable[tuple[type, str]]) -> None:
+    """Say once per process, for each ``(class, what)`` a module's forward reads that its key
+    left out (:meth:`HeldReading._refuse`'s: a global adapter with forward hooks of its own
+    or in train mode, a table past :data:`HELD_VALUES`), that a change to it changes no key:
+    features stored before the change would be served after it."""
+    for cls, what in left_out:
+        said = (cls, what)
+        if said in _LEFT_OUT_SAID:
+            continue
+        _LEFT_OUT_SAID.add(said)
+        todo = (
+            "call .eval() on it"
+            if IN_TRAIN_MODE in what
+            else "make it a submodule or buffer of the encoder (keyed by its weights), or "
+            "build into a new store after changing it"
+        )
+        warnings.warn(
+            KeyLeftOutWarning(
+                f"the forward of {cls.__qualname__} reads {what}, which no key can read: a "
+                "change to it changes no key, so features stored before it would be served "
+                f"after it; {todo}"
+            ),
+            stacklevel=3,
+        )
+
+
+#: What :func:`warn_left_out` said in this process.
+_LEFT_OUT_SAID: set[tuple[type, str]] = set()
 
 
 def forward_functions(module: Any) -> tuple[tuple[type, Any], ...]:
@@ -2470,20 +2647,28 @@ def forward_globals(
 
 
 def forward_reads(
-    module: Any, *, exact: bool, functions: Iterable[tuple[type, Any]] | None = None
+    module: Any,
+    *,
+    exact: bool,
+    functions: Iterable[tuple[type, Any]] | None = None,
+    left_out: list[tuple[type, str]] | None = None,
 ) -> list[tuple[tuple[type, Any], str]]:
     """:func:`forward_globals`' rows, each with the ``(class, function)`` it is of: those
-    that read anything, in one reading (what a watch's plan keeps to read at each forward)."""
+    that read anything, in one reading (what a watch's plan keeps to read at each forward).
+    ``left_out``: given, each ``(class, what)`` the reading could not key is added to it."""
     functions = forward_functions(module) if functions is None else functions
     reading = HeldReading(_TreeIds(module), exact=exact, forward=True)
     shadowed = instance_names(module)
     rows = []
     read_before: set[Any] = set()
     for cls, func in functions:
+        refused = len(reading.refused)
         read = [] if func in read_before else reading.globals_read(func)
         read_before.add(func)
         settings = reading.class_settings(cls, func, shadowed.get(cls, frozenset()))
         read += [settings] if settings else []
+        if left_out is not None:
+            left_out += [(cls, what) for what in reading.refused[refused:]]
         if read:
             owner = _script_named(func.__module__)
             named = f"{owner}.{func.__qualname__}@{cls.__qualname__}({','.join(read)})"

@@ -54,6 +54,7 @@ from featbake.encode.identity import (
     attribute_digest,
     attribute_row,
     foreign_global_hooks,
+    forward_functions,
     forward_globals,
     forward_reads,
     held_attribute,
@@ -61,6 +62,7 @@ from featbake.encode.identity import (
     held_values,
     is_plain,
     keyed_attribute,
+    may_read_later,
     model_config,
     module_identity,
     reads_held_attributes,
@@ -311,8 +313,9 @@ class GlancePlan:
     looks: tuple[_Look, ...]
     tensors: tuple[weakref.ref[torch.Tensor], ...]
     #: The (class, function) pairs of its forward that read globals or class settings
-    #: (:func:`forward_globals`), read by value at each glance; none where none did when
-    #: planned.
+    #: (:func:`forward_globals`), and those that may read one later (:func:`may_read_later`:
+    #: a class setting asked by ``getattr``, a library function a script may bind anew),
+    #: read by value at each glance.
     reads: tuple[Any, ...] = ()
 
     def live_tensors(self) -> list[torch.Tensor] | None:
@@ -335,8 +338,9 @@ def glance_plan(module: nn.Module) -> GlancePlan | None:
         held = _held_attributes(sub, attrs, public)
         looks.append(_Look(weakref.ref(sub), pick, len(public) > 1, listy, name, public, held))
     tensors = tuple(weakref.ref(t) for t in (*module.parameters(), *module.buffers()))
-    reads = tuple(pair for pair, _ in forward_reads(module, exact=False))
-    return GlancePlan(tuple(looks), tensors, reads)
+    reads = [pair for pair, _ in forward_reads(module, exact=False)]
+    later = [p for p in forward_functions(module) if p not in reads and may_read_later(*p)]
+    return GlancePlan(tuple(looks), tensors, tuple(reads + later))
 
 
 def _held_attributes(

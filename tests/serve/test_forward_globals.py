@@ -186,6 +186,42 @@ class KeepsStateOfItsOwn(TinyConvEncoder):
         return out
 
 
+ACT = torch.sigmoid
+
+
+class BindsAnActivation(TinyConvEncoder):
+    def forward(self, wav):
+        return ACT(super().forward(wav))
+
+
+class AsksAClassSetting(TinyConvEncoder):
+    SCALE = 2.0
+
+    def forward(self, wav):
+        return super().forward(wav) * getattr(self, "SCALE", 1.0)
+
+
+class AsksASettingItMayGain(TinyConvEncoder):
+    def forward(self, wav):
+        gain = getattr(self, "GAIN", 1.0) if hasattr(self, "GAIN") else 1.0
+        return super().forward(wav) * gain
+
+
+class HoldsAClassWindow(TinyConvEncoder):
+    WINDOW = torch.tensor([2.0, 1.0])
+
+    def forward(self, wav):
+        return super().forward(wav) * self.WINDOW[0]
+
+
+ADAPTER = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.0))
+
+
+class ReadsAGlobalAdapter(TinyConvEncoder):
+    def forward(self, wav):
+        return super().forward(wav) * ADAPTER[0].weight.sum().detach()
+
+
 class Records(TinyConvEncoder):
     def forward(self, wav):
         global CALLS
@@ -247,6 +283,24 @@ CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
         lambda m: m.ReadsAClassSetting.OPTIONS.__setitem__("gain", 3.0),
     ),
     "global-array-edited-in-place": ("ReadsAnArray", lambda m: m.shared.ARRAY.__setitem__(0, 3.0)),
+    # Round twenty-five: each of these was served stale.
+    "library-function-bound-anew": ("BindsAnActivation", lambda m: setattr(m, "ACT", torch.tanh)),
+    "class-setting-asked-by-getattr": (
+        "AsksAClassSetting",
+        lambda m: setattr(m.AsksAClassSetting, "SCALE", 3.0),
+    ),
+    "class-setting-asked-by-getattr-lost": (
+        "AsksAClassSetting",
+        lambda m: delattr(m.AsksAClassSetting, "SCALE"),
+    ),
+    "class-setting-gained-after-the-first-read": (
+        "AsksASettingItMayGain",
+        lambda m: setattr(m.AsksASettingItMayGain, "GAIN", 3.0),
+    ),
+    "class-tensor-edited-in-place": (
+        "HoldsAClassWindow",
+        lambda m: m.HoldsAClassWindow.WINDOW.fill_(0.25),
+    ),
 }
 
 
@@ -350,3 +404,39 @@ def test_a_module_reading_no_setting_keeps_the_identity_it_had(module: torch.nn.
     no global is read, and the identity has no part of them, as before."""
     assert forward_globals(module, exact=True) == ""
     assert "\nglobals:" not in module_identity(module)
+
+
+def test_a_library_function_bound_as_the_file_binds_it_keeps_the_identity_it_had(
+    package: ModuleType,
+) -> None:
+    """``ACT = torch.sigmoid`` at a file's top level (or ``from json import dumps as
+    json_dumps``) is the code's own choice, keyed by the file's source: no global row, as
+    before round twenty-five; only one bound otherwise since is read."""
+    module = package.BindsAnActivation().eval()
+    assert forward_globals(module, exact=True) == ""
+    package.ACT = torch.tanh
+    assert "global ACT=<torch." in forward_globals(module, exact=True)
+
+
+def test_a_global_adapter_in_train_mode_is_said_once_naming_what_to_do(
+    package: ModuleType, recwarn: pytest.WarningsRecorder
+) -> None:
+    """A global adapter in train mode is left out of the key (its draws differ at each
+    forward): a change to it changes no key, so the key's reading says so once per process,
+    naming the adapter and ``.eval()``; in eval mode it is keyed by its weights, unsaid."""
+    from featbake.encode.identity import KeyLeftOutWarning
+
+    module = package.ReadsAGlobalAdapter().eval()
+    package.ADAPTER.eval()
+    before = module_identity(module)
+    assert not [w for w in recwarn if w.category is KeyLeftOutWarning]
+    with torch.no_grad():
+        package.ADAPTER[0].weight.add_(1.0)
+    assert module_identity(module) != before  # keyed by its weights
+    package.ADAPTER.train()
+    module_identity(module)
+    module_identity(module)
+    said = [str(w.message) for w in recwarn if w.category is KeyLeftOutWarning]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert "ReadsAGlobalAdapter reads ADAPTER (the module Sequential in train mode" in said[0]
+    assert said[0].endswith("call .eval() on it")
