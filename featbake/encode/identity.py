@@ -2599,10 +2599,11 @@ def _methods_run(cls: type) -> list[Any]:
     """The functions of ``cls``'s own classes (not a library's) its ``forward`` may run:
     each of theirs named ``forward``, and each named as an attribute that code reaches loads
     (``self.scaled(x)``; a base class's ``scaled`` a subclass's runs through
-    ``super().scaled(x)``, which reaching by name alone finds as the subclass's own), with
+    ``super().scaled(x)``, which reaching by name alone finds as the subclass's own; a
+    helper of the user's given ``self``, ``_apply(self, x)`` calling ``m.scaled(x)``), with
     what each reaches (:func:`reached_methods`), until no more are found."""
     own = [k for k in cls.__mro__ if not is_library_code(k)]
-    names, found = {"forward"}, dict[Any, None]()
+    names, found = {"forward", *_library_forward_calls(cls)}, dict[Any, None]()
     while True:
         defined = [method_function(attr) for k in own for n, attr in vars(k).items() if n in names]
         new = [
@@ -2617,6 +2618,38 @@ def _methods_run(cls: type) -> list[Any]:
         found.update(dict.fromkeys(new))
         for f in new:
             names |= {n for code in reached_code(f.__code__, cls) for n in attribute_names(code)}
+            names |= _helpers_attribute_names(f)
+
+
+def _helpers_attribute_names(func: Any) -> set[str]:
+    """The names the user's helpers ``func`` calls by a global (:func:`followed_helper`:
+    ``_apply(self, x)``), and theirs in turn, use as attributes (``m.scaled(x)``): where a
+    method of the module's class run through a helper given ``self`` is found."""
+    names: set[str] = set()
+    todo, seen = [func], set[Any]()
+    while todo:
+        now = todo.pop()
+        if now.__code__ in seen:
+            continue
+        seen.add(now.__code__)
+        for g in global_names(now.__code__):
+            helper = followed_helper(now.__globals__.get(g))
+            if type(helper) is types.FunctionType:
+                names |= {
+                    n for c in reached_code(helper.__code__, None) for n in attribute_names(c)
+                }
+                todo.append(helper)
+    return names
+
+
+def _library_forward_calls(cls: type) -> frozenset[str]:
+    """The names a library's ``forward`` that ``cls`` runs (no class of the user's defines
+    one) uses as attributes: where a user's override of a method it calls is found
+    (``_conv_forward`` of a subclass of ``nn.Conv1d``, reading a setting)."""
+    runs = method_function(inspect.getattr_static(cls, "forward", None))
+    if not inspect.isfunction(runs) or not is_library_code(runs):
+        return frozenset()
+    return frozenset(n for code in reached_code(runs.__code__, None) for n in attribute_names(code))
 
 
 def forward_globals(

@@ -214,6 +214,32 @@ class HoldsAClassWindow(TinyConvEncoder):
         return super().forward(wav) * self.WINDOW[0]
 
 
+def _apply(m, x):
+    return m.scale_it(x)
+
+
+class ScalesThroughAHelperGivenSelf(TinyConvEncoder):
+    def scale_it(self, x):
+        return x * shared.STATE.scale
+
+    def forward(self, wav):
+        return _apply(self, super().forward(wav))
+
+
+class ScaledConv(torch.nn.Conv1d):
+    def _conv_forward(self, input, weight, bias):
+        return super()._conv_forward(input, weight, bias) * shared.STATE.scale
+
+
+class HoldsAnOverridingConv(TinyConvEncoder):
+    def __init__(self):
+        super().__init__()
+        self.post = ScaledConv(64, 64, 1)
+
+    def forward(self, wav):
+        return self.post(super().forward(wav).transpose(1, 2)).transpose(1, 2)
+
+
 ADAPTER = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.0))
 
 
@@ -297,6 +323,8 @@ CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
         "AsksASettingItMayGain",
         lambda m: setattr(m.AsksASettingItMayGain, "GAIN", 3.0),
     ),
+    "read-by-a-users-override-a-library-forward-calls": ("HoldsAnOverridingConv", _setting),
+    "read-by-a-method-a-helper-given-self-calls": ("ScalesThroughAHelperGivenSelf", _setting),
     "class-tensor-edited-in-place": (
         "HoldsAClassWindow",
         lambda m: m.HoldsAClassWindow.WINDOW.fill_(0.25),
