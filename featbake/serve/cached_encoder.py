@@ -51,6 +51,7 @@ from featbake.encode.encoders import (
 from featbake.encode.identity import (
     GLOBAL_HOOKS,
     HOOK_DICTS,
+    LaterRead,
     attribute_digest,
     attribute_row,
     foreign_global_hooks,
@@ -62,7 +63,7 @@ from featbake.encode.identity import (
     held_values,
     is_plain,
     keyed_attribute,
-    may_read_later,
+    later_read,
     model_config,
     module_identity,
     reads_held_attributes,
@@ -313,10 +314,13 @@ class GlancePlan:
     looks: tuple[_Look, ...]
     tensors: tuple[weakref.ref[torch.Tensor], ...]
     #: The (class, function) pairs of its forward that read globals or class settings
-    #: (:func:`forward_globals`), and those that may read one later (:func:`may_read_later`:
-    #: a class setting asked by ``getattr``, a library function a script may bind anew),
-    #: read by value at each glance.
+    #: (:func:`forward_globals`), read by value at each glance; none where none did when
+    #: planned.
     reads: tuple[Any, ...] = ()
+    #: Those that read none when planned but may later (a class setting asked by
+    #: ``getattr``, a library function a script may bind anew): glanced at by what may
+    #: change (:class:`LaterRead`); a change is read exactly, and planned again.
+    later: tuple[LaterRead, ...] = ()
 
     def live_tensors(self) -> list[torch.Tensor] | None:
         """The planned tensors (None: one of them is gone, so the tree changed)."""
@@ -338,9 +342,9 @@ def glance_plan(module: nn.Module) -> GlancePlan | None:
         held = _held_attributes(sub, attrs, public)
         looks.append(_Look(weakref.ref(sub), pick, len(public) > 1, listy, name, public, held))
     tensors = tuple(weakref.ref(t) for t in (*module.parameters(), *module.buffers()))
-    reads = [pair for pair, _ in forward_reads(module, exact=False)]
-    later = [p for p in forward_functions(module) if p not in reads and may_read_later(*p)]
-    return GlancePlan(tuple(looks), tensors, tuple(reads + later))
+    reads = tuple(pair for pair, _ in forward_reads(module, exact=False))
+    later = (later_read(*p) for p in forward_functions(module) if p not in reads)
+    return GlancePlan(tuple(looks), tensors, reads, tuple(r for r in later if r is not None))
 
 
 def _held_attributes(
@@ -544,6 +548,7 @@ def take_glance(plan: GlancePlan) -> Glance | None:
         if root is None:
             return None
         texts.append(forward_globals(root, exact=False, functions=plan.reads))
+    texts += [later.now() for later in plan.later]
     tensors = plan.live_tensors()
     if tensors is None:
         return None
