@@ -45,7 +45,7 @@ from featbake.store.shard import ShardReader
 from featbake.testing import TinyConvEncoder, save_torchscript, write_audio_folder
 from featbake.upkeep import drop_root, list_roots, stats
 from tests.bake.test_ranks import torchrun
-from tests.conftest import REPO, invoke, live_features
+from tests.conftest import REPO, invoke, live_features, run_cli
 from tests.helpers import assert_store_consistent, root_keys, stored_features
 
 SCHEMES = list(Scheme)
@@ -652,6 +652,18 @@ def test_a_rebuild_adding_small_items_keeps_a_float32_record(tmp_path: Path) -> 
     again = build(data, encoder, cache=store, recipe=Recipe(dtype="int8"), batch_size=1)
     assert again.ok and (again.encoded, again.reused, again.root) == (1, 3, first.root)
     assert recorded_serve_dtype(Layout(store), first.root) == "float32"
+    # The rebuild's summary names the dtype served, as its record does: it named float16.
+    assert again.fidelity is not None and Fidelity.from_json(again.fidelity).served == "float32"
+    assert (
+        again.fidelity
+        == json.loads(fidelity_file(Layout(store), first.root).read_text())["fidelity"]
+    )
+    write_audio_folder(tmp_path / "more2", 1, seconds=0.4, seed=6)
+    (tmp_path / "more2" / "clip00000.wav").rename(data / "short2.wav")
+    res = run_cli("build", "-e", encoder, "-d", data, "--cache", store, "--dtype", "int8")
+    assert res.returncode == 0, res.stdout + res.stderr
+    said = [line for line in res.stdout.splitlines() if line.strip().startswith("fidelity")]
+    assert len(said) == 1 and said[0].endswith("1 items as float32"), res.stdout
     ds = CachedFeatureDataset(data, encoder, cache=store, dtype="int8", on_miss="error")
     for i, live in enumerate(_live(encoder, ds)):
         want = dequantize(quantize(live, Scheme.INT8), Scheme.INT8, torch.float32)
@@ -1046,3 +1058,28 @@ def test_one_dimensional_items_are_batched_as_each_is_served(
     assert all(torch.equal(t, packed[i]) for t, i in zip(items, idx, strict=True))
     with pytest.raises(ConfigError, match=r"one-dimensional .* serve it dequantised"):
         pad_collate(items)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_one_part_of_a_quantised_whole_output_store_is_copied_not_encoded(
+    audio_dir: Path, multi_encoder_file: Path, store_dir: Path, dtype: str
+) -> None:
+    """A dataset asking one part of an int8 or fp8 whole-output store serves the part the
+    store holds (each part is quantised on its own, row by row: the bytes a ``--output`` build
+    stores, which it copies too). Before, every item was encoded again, said nowhere; with
+    ``on_miss="error"`` each was refused as not in the store."""
+    scheme = Scheme(dtype)
+    whole = build(audio_dir, multi_encoder_file, cache=store_dir, recipe=Recipe(dtype=dtype))
+    assert whole.ok and whole.encoded == 16
+    options = {"cache": store_dir, "dtype": dtype, "output": "hidden"}
+    for on_miss, stored in (("encode", 0), ("error", 16)):
+        ds = CachedFeatureDataset(audio_dir, multi_encoder_file, on_miss=on_miss, **options)
+        assert ds.stored() == stored  # none, then the copies the first wrote back
+        for i in range(len(ds)):
+            live = live_features(multi_encoder_file, Path(ds.path(i)))
+            assert isinstance(live, dict)
+            want = dequantize(quantize(live["hidden"], scheme), scheme, torch.float16)
+            got = ds[i]
+            assert got.dtype == torch.float16 and torch.equal(got, want), (on_miss, i)
+        assert ds.cache_info().encoded == 0, on_miss
+        ds.close()  # its copies written back

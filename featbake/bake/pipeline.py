@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Protocol, TypeVar, cast
+from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -94,7 +94,7 @@ from featbake.store.catalog import BuildCatalog, Catalog
 from featbake.store.claims import this_host
 from featbake.store.containers import container_cut
 from featbake.store.features import Parts
-from featbake.store.fidelity import Measured
+from featbake.store.fidelity import Measured, recorded_serve_dtype
 from featbake.store.fragment_catalog import FragmentCatalog, RankPart
 from featbake.store.fragments import build_id, fragment_keys, parse_name, sealed_fragments
 from featbake.store.hash_cache import FileStat, HashCache, HashCacheRow, HashEntry, HashRow
@@ -323,6 +323,19 @@ def _raise_if_waiting(left: str) -> None:
             f"every part of this build finished, but the merge published nothing of it "
             f"({left}); rerun the build (what its parts sealed is reused)"
         )
+
+
+def fidelity_as_served(
+    said: dict[str, Any] | None, measured: Measured | None, served: str | None
+) -> dict[str, Any] | None:
+    """The report's fidelity (``said``) measured in ``served``, the dtype the root's record
+    says datasets serve it in, where that is another: a rebuild over a root recorded float32
+    keeps serving float32 whatever the items it encoded hold (``write_fidelity``), and its
+    summary named float16. ``said`` where nothing says otherwise, or nothing was measured."""
+    if said is None or measured is None or served is None or said.get("served") == served:
+        return said
+    tally = measured.tallies.get(served)
+    return tally.result(served).to_json() if tally is not None and tally.items else said
 
 
 # == redo ==========================================================================================
@@ -1080,7 +1093,8 @@ class _Bake:
                 writer.close()
                 self.report.bytes_written = writer.bytes_written
                 self.report.shards_written = writer.shards
-                self.report.batching, self.report.batching_note = runner.mode, runner.note
+                if run.keys:  # a build that only copied or converted batched nothing
+                    self.report.batching, self.report.batching_note = runner.mode, runner.note
         if runner.inexact:
             self.padding_failed()
         again = self.padded_again(run.padded, runner.inexact)
@@ -1088,7 +1102,7 @@ class _Bake:
             self.encode_padded_again(again)
         self.padded_left = [] if runner.inexact else [it.key for it in run.padded]
         run.tick()  # the last word: every byte sealed, none pending
-        self.compactor.record(self.report, self.catalog, self.options.max_error)
+        self.record_fidelity()
 
     def encode_elsewhere(
         self,
@@ -1121,7 +1135,15 @@ class _Bake:
         mine, theirs = self.compactor.measured, done.measured
         if theirs is not None:  # pooled with what converting stored features measured here
             self.compactor.measured = theirs if mine is None else mine.merged(theirs)
+        self.record_fidelity()
+
+    def record_fidelity(self) -> None:
+        """Record what int8/fp8 cost beside the root (:meth:`Compactor.record`); the report
+        names the dtype the root is served in (:func:`fidelity_as_served`)."""
         self.compactor.record(self.report, self.catalog, self.options.max_error)
+        served = recorded_serve_dtype(self.layout, self.report.root)
+        said = fidelity_as_served(self.report.fidelity, self.compactor.measured, served)
+        self.report.fidelity = said
 
     def task_done(self, part: PartResult) -> None:
         """An engine task's result, as it arrives: a padding check it failed is recorded at

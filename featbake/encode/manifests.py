@@ -11,10 +11,11 @@ Three layouts name their items this way (``--data`` picks one, see
   ``offset`` and ``duration`` (NeMo's). A ``duration`` alone is a label of the whole file,
   except in a NeMo manifest's row (an ``audio_filepath``, :data:`NEMO_INPUT`), which NeMo's
   loader reads from 0 for that ``duration``; a NeMo ``duration`` of 0 or less reads to the end
-  (:func:`nemo_end`). ``channel`` picks one channel, ``id`` names the item (default: the path as
-  written, plus ``#start-end`` for a segment, :func:`named_span`), and every other column is
-  carried (:meth:`RowInputs.row`). Seconds become samples by the rule of the tool whose fields
-  time the row (:func:`row_rule`), so a row decodes as that tool's loader reads it:
+  (:func:`nemo_end`), and a negative ``offset`` from 0 (:func:`nemo_offset`). ``channel``
+  picks one channel, ``id`` names the item (default: the path as written, plus
+  ``#start-end`` for a segment, :func:`named_span`), and every other column is carried
+  (:meth:`RowInputs.row`). Seconds become samples by the rule of the tool whose fields time
+  the row (:func:`row_rule`), so a row decodes as that tool's loader reads it:
   ``start``/``end`` to the nearest sample, ``start`` + ``duration`` as lhotse counts them,
   ``offset`` + ``duration`` as NeMo's ``AudioSegment.from_file`` truncates them (a read past
   the file's end stopping at it, as NeMo's does).
@@ -253,14 +254,34 @@ def input_file(value: Any, base: str, column: str) -> str:
 
 def start_of(fields: Mapping[str, Any]) -> Any:
     """A row's ``start``, or, where it has none, its ``offset`` (NeMo's manifests time a row by
-    ``offset`` and ``duration``: a NeMo row without an offset is read from 0, :func:`nemo_end`).
+    ``offset`` and ``duration``: a NeMo row without an offset is read from 0, :func:`nemo_end`;
+    a NeMo manifest's row at a negative offset from 0 too, :func:`nemo_offset`).
 
     Example:
         >>> start_of({"start": 2, "offset": 1}), start_of({"offset": 0}), start_of({})
         (2, 0, None)
+        >>> start_of({"audio_filepath": "a.wav", "offset": -0.5}), start_of({"offset": "-1"})
+        (0.0, '-1')
     """
     start = fields.get("start")
-    return fields.get("offset") if start in (None, "") else start
+    if start not in (None, ""):
+        return start
+    offset = fields.get("offset")
+    return nemo_offset(offset) if has_value(fields, NEMO_INPUT) else offset
+
+
+def nemo_offset(value: Any) -> Any:
+    """A NeMo manifest row's ``offset`` as NeMo's ``AudioSegment.from_file`` reads it: it
+    seeks only ``if offset > 0``, so a negative offset reads from 0 (``0.0``); any other
+    value as written (checked as seconds where it is read). Only a NeMo manifest's row (an
+    ``audio_filepath``, :data:`NEMO_INPUT`) is read so: a negative offset in any other row
+    is refused.
+
+    Example:
+        >>> nemo_offset(-0.25), nemo_offset("-1"), nemo_offset(1.5), nemo_offset(None)
+        (0.0, 0.0, 1.5, None)
+    """
+    return 0.0 if below_zero(value) else value
 
 
 def end_of(fields: Mapping[str, Any]) -> Any:
@@ -303,11 +324,16 @@ def nemo_duration(value: Any) -> float | None:
     """
     if value in (None, ""):
         return None
+    return None if below_zero(value) else seconds(value, "duration") or None
+
+
+def below_zero(value: Any) -> bool:
+    """Whether a row's ``value`` is a number below 0, a CSV cell's text too (a bool, or what
+    is no number, is not: read as seconds, it is refused naming it)."""
     try:
-        negative = not isinstance(value, bool) and float(value) < 0
+        return not isinstance(value, bool) and float(value) < 0
     except (TypeError, ValueError):
-        negative = False  # refused, naming it, below
-    return None if negative else seconds(value, "duration") or None
+        return False
 
 
 def nemo_end(offset: Any, duration: Any) -> float | None:

@@ -261,12 +261,17 @@ def choose_root(catalog: Catalog, root: str | None) -> Root:
 
 
 def chosen_parts(
-    available: Sequence[str], *, output: str | None, layers: Sequence[int] | None
+    available: Sequence[str],
+    *,
+    output: str | None,
+    layers: Sequence[int] | None,
+    picked: str | None = None,
 ) -> list[str]:
     """The parts to export, from those stored (pure).
 
     ``output`` names one part; ``layers`` names hidden layers (parts ``layer<K>``), in the
-    order given; neither: every part, sorted.
+    order given; neither: every part, sorted. ``picked``: the part a root built with
+    ``--output`` holds (stored as its one unnamed part): ``output`` naming it exports that.
 
     Raises:
         ConfigError: a part or layer that is not stored, naming those that are.
@@ -274,6 +279,8 @@ def chosen_parts(
     Example:
         >>> chosen_parts(["pooled", "tokens"], output="pooled", layers=None)
         ['pooled']
+        >>> chosen_parts([""], output="hidden", layers=None, picked="hidden")
+        ['']
     """
     have = sorted(available)
     if output is not None and layers:
@@ -281,12 +288,11 @@ def chosen_parts(
     wanted = [output] if output is not None else [f"layer{k}" for k in layers or ()]
     if not wanted:
         return have
+    if have == [""] and picked is not None and wanted == [picked]:
+        return have  # the one part the root was built to hold
     absent = [p for p in wanted if p not in have]
-    if absent and have == [""]:  # a plain tensor's one part has no name to choose it by
-        raise ConfigError(
-            f"the root stores no part {', '.join(map(repr, absent))}: its encoder returned one "
-            "tensor, stored as one unnamed part; export it without --output and --layers"
-        )
+    if absent and have == [""]:  # one part, stored unnamed: no name to choose it by
+        raise ConfigError(one_part_refusal(absent, picked, output is not None))
     if absent:
         stored = ", ".join(repr(p) for p in have) or "none"
         raise ConfigError(
@@ -294,6 +300,34 @@ def chosen_parts(
             "choose among those with --output or --layers"
         )
     return wanted
+
+
+def one_part_refusal(absent: Sequence[str], picked: str | None, by_output: bool) -> str:
+    """Why a root of one unnamed part has none of the parts ``absent`` asked for, and what to
+    run: the part it was built to hold (``picked``, its ``--output``), or the encoder's one
+    tensor (None).
+
+    Example:
+        >>> one_part_refusal(["pooled"], "hidden", True).split(": ")[0]
+        "the root stores one part, 'hidden' (it was built with --output hidden), not 'pooled'"
+    """
+    asked = ", ".join(map(repr, absent))
+    if picked is None:
+        return (
+            f"the root stores no part {asked}: its encoder returned one tensor, stored as one "
+            "unnamed part; export it without --output and --layers"
+        )
+    option = (
+        f"--output {absent[0]}"
+        if by_output
+        else "--layers " + ",".join(p.removeprefix("layer") for p in absent)
+    )
+    return (
+        f"the root stores one part, {picked!r} (it was built with --output {picked}), not "
+        f"{asked}: export it with --output {picked} (or without --output and --layers), or "
+        f"build {asked} with `featbake build {option}` (the same --encoder and --data) and "
+        "export that root with --root NAME"
+    )
 
 
 def open_source(
@@ -326,7 +360,8 @@ def open_source(
             f"root {chosen.name} has no stored features to export; run `featbake build` first"
         )
     stored = {loc.part for locs in located.values() for loc in locs}
-    parts = chosen_parts(sorted(stored), output=output, layers=layers)
+    picked = chosen.recipe.get("output")
+    parts = chosen_parts(sorted(stored), output=output, layers=layers, picked=picked)
     return ExportSource(layout, chosen, manifest, present, located, tuple(parts))
 
 

@@ -250,9 +250,11 @@ def live_encoding_warning(
 # (:mod:`featbake.bake.derive`). The input's digest comes from the hash cache (its stat
 # unchanged) or, when that does not say, from hashing the file: its bytes, never its decoding.
 def whole_output_fingerprint(recipe: Recipe) -> str | None:
-    """The fingerprint of ``recipe`` without ``output``; None when nothing can be copied (the
-    recipe stores the whole output, or quantises it: an int8 part has scales of its own)."""
-    if recipe.output is None or recipe.scheme is not None:
+    """The fingerprint of ``recipe`` without ``output``; None when it stores the whole output.
+    An int8 or fp8 part is copied too: each part is quantised on its own, row by row, so the
+    whole output's part is the packed tensor this recipe stores (``featbake build --output``
+    copies it as well, :func:`featbake.bake.derive.source_recipes`)."""
+    if recipe.output is None:
         return None
     return recipe.replace(output=None).fingerprint()
 

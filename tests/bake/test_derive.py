@@ -50,6 +50,7 @@ def test_a_part_build_first_still_encodes_and_the_cli_says_what_it_copied(
         audio_dir, multi_encoder_file, cache=store_dir, workers=0, recipe=Recipe(output="pooled")
     )
     assert (first.encoded, first.derived) == (16, 0)  # nothing to copy from
+    assert first.batching and first.batching_note  # how it batched what it encoded
     whole = build(audio_dir, multi_encoder_file, cache=store_dir, workers=0)
     assert whole.encoded == 16  # a part cannot stand in for the whole output
     res = invoke(
@@ -58,6 +59,13 @@ def test_a_part_build_first_still_encodes_and_the_cli_says_what_it_copied(
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "16 parts a whole-output build stored" in res.stdout
+    # It encoded nothing, so it batched nothing: it printed a `batching` line all the same.
+    assert "batching" not in res.stdout, res.stdout
+    converted = build(
+        audio_dir, multi_encoder_file, cache=store_dir, workers=0, recipe=Recipe(dtype="float16")
+    )
+    assert (converted.encoded, converted.converted) == (0, 16)
+    assert (converted.batching, converted.batching_note) == ("", "")
 
 
 # -- issue 32 item 3: --dtype after a float32 build is a conversion, not an encoding ----------

@@ -1833,6 +1833,26 @@ def test_a_nemo_duration_of_0_or_less_reads_to_the_end_from_the_offset(
     assert [ds.item_id(i) for i in range(3)] == ["d.wav", "e.wav#0.5-inf", "f.wav#0.25-inf"]
 
 
+def test_a_nemo_row_at_a_negative_offset_is_read_from_0_as_nemos_is(
+    tmp_path: Path, store_dir: Path
+) -> None:
+    """NeMo's ``AudioSegment.from_file`` seeks only ``if offset > 0``: a row at a negative
+    offset reads from the file's start (``int(duration * rate)`` samples, or to the end for a
+    duration of 0 or less). Before, such a row was refused ("offset -0.5 is not a time in
+    the recording"): built, it failed. A row of another manifest (no ``audio_filepath``) at a
+    negative offset is still refused, naming it."""
+    rows = [("g.wav", 1.0, -0.5, 0.5), ("h.wav", 1.5, -1.0, 0), ("i.wav", 1.0, -0.25, 0.30007)]
+    ds = nemo_store(tmp_path, store_dir, rows)
+    assert [len(served_samples(ds, i)) for i in range(3)] == [8000, 24000, 4801]
+    assert [ds.item_id(i) for i in range(3)] == ["g.wav#0.0-0.5", "h.wav", "i.wav#0.0-0.30007"]
+    plain = write_jsonl(
+        tmp_path / "plain.jsonl", [{"path": "g.wav", "offset": -0.5, "duration": 0.5}]
+    )
+    report = build(plain, tmp_path / "samples.pt", cache=store_dir, workers=0)
+    assert (report.encoded, len(report.failed)) == (0, 1), report
+    assert "offset -0.5 is not a time in the recording" in str(report.failed[0])
+
+
 def test_a_nemo_read_past_its_files_end_stops_there_as_nemos_does(
     tmp_path: Path, store_dir: Path
 ) -> None:

@@ -133,6 +133,38 @@ def test_parquet_export_of_one_part_keeps_its_dtype_and_refuses_a_folder(
         export_parquet(tmp_path / "p.parquet", cache=store_dir)
 
 
+def test_a_root_built_with_output_exports_its_part_and_names_it_refusing_another(
+    multi_encoder_file: Path, audio_dir: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """A root built with ``--output hidden`` holds that part, stored as its one unnamed part.
+    Exporting ``--output hidden`` was refused ("its encoder returned one tensor, stored as one
+    unnamed part"), and so was ``--output pooled``, neither naming the part the root holds:
+    now the first exports it, and the second names it and what to run."""
+    from featbake.recipe import Recipe
+    from tests.conftest import run_cli
+
+    assert chosen_parts([""], output="hidden", layers=None, picked="hidden") == [""]
+    with pytest.raises(ConfigError, match=r"--layers 3\b"):
+        chosen_parts([""], output=None, layers=[3], picked="hidden")
+    report = bake(audio_dir, multi_encoder_file, store_dir, recipe=Recipe(output="hidden"))
+    res = run_cli("export", "--format", "parquet", tmp_path / "x.parquet", "--cache", store_dir,
+                  "--output", "pooled")  # fmt: skip
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    said = " ".join((res.stdout + res.stderr).split())  # one line, wrapped by the console
+    assert "the root stores one part, 'hidden' (it was built with --output hidden)" in said
+    assert "`featbake build --output pooled` (the same --encoder and --data)" in said
+    assert not (tmp_path / "x.parquet").exists()
+
+    live = Live()
+    done = export_parquet(tmp_path / "h.parquet", cache=store_dir, output="hidden")
+    assert done.parts == ("",) and done.items == 16 and done.root == report.root
+    for rec in pq.read_table(tmp_path / "h.parquet").to_pylist():
+        want = live(multi_encoder_file, audio_dir / rec["id"])
+        assert isinstance(want, dict)
+        got = torch.tensor(np.array(rec["features"], dtype=np.float32))
+        torch.testing.assert_close(got, want["hidden"])
+
+
 # -- webdataset -------------------------------------------------------------------------------
 
 
