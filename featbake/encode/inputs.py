@@ -229,8 +229,9 @@ class ObjectSource:
 # import this one. A folder is the last resort: a name no test claims is read as a folder (and a
 # missing one is refused by the scan, as before).
 # Each opener takes (where, column, workdir): ``workdir`` is the folder a layout that takes
-# relative paths from the working directory (Kaldi's ``wav.scp``, lhotse cuts) takes them from
-# (``""``: the working directory now); the other kinds' paths do not depend on it.
+# relative paths from the working directory (Kaldi's ``wav.scp``, lhotse cuts, a table's
+# path-only cells) takes them from (``""``: the working directory now); the other kinds' paths
+# do not depend on it.
 Opener = Callable[[str, str | None, str], Inputs]
 
 
@@ -471,7 +472,7 @@ def _open_webdataset(where: str, column: str | None, workdir: str) -> Inputs:
 
 
 def _open_table(where: str, column: str | None, workdir: str) -> Inputs:
-    return table_at(where, column)
+    return table_at(where, column, workdir)
 
 
 def _open_bucket(where: str, column: str | None, workdir: str) -> Inputs:
@@ -519,8 +520,9 @@ def inputs_at(
             ``path``); refused for a folder or a bucket prefix.
         source: the recipe's source kind: for ``text`` a manifest's column holds each item's
             text itself, not a path (:class:`featbake.encode.texts.TextRows`).
-        workdir: the folder a Kaldi folder's or a cut manifest's relative paths are taken from
-            (they take them from the working directory, as Kaldi and lhotse do): a root's
+        workdir: the folder a Kaldi folder's, a cut manifest's or a local table's path-only
+            cells' relative paths are taken from (they take them from the working directory,
+            as Kaldi, lhotse and ``datasets`` do): a root's
             record of its build's (:attr:`featbake.store.roots.Root.workdir`) where its data is
             opened again; ``""``: the working directory now.
 
@@ -542,26 +544,55 @@ def inputs_at(
     return _open_folder(where, column)
 
 
+@runtime_checkable
+class PathsFromWorkdir(Protocol):
+    """Inputs that may take relative paths from a working directory: a Kaldi folder's
+    ``wav.scp``, a cut manifest's sources (:class:`featbake.encode.manifests.RowInputs`), a
+    local table's path-only cells (:class:`~featbake.encode.tables.Table`). Each records the
+    folder it took them from in its root (:func:`workdir_of`) and is opened again from it
+    (:func:`inputs_at`'s ``workdir``, :func:`falling_back_to`)."""
+
+    #: The folder the root's build took relative paths from, given before a scan by
+    #: :func:`falling_back_to`.
+    build_workdir: str
+
+    @property
+    def paths_from_workdir(self) -> bool:
+        """Whether this kind takes relative paths from the working directory at all."""
+        ...
+
+    @property
+    def workdir_recorded(self) -> bool:
+        """Whether it was opened with a build's folder (:func:`inputs_at`'s ``workdir``)."""
+        ...
+
+    @property
+    def found_in(self) -> str:
+        """The folder its last scan took relative paths from (``""``: none)."""
+        ...
+
+
 def workdir_of(inputs: Inputs) -> str:
     """The folder ``inputs``' relative paths were taken from, for its root to record
-    (:attr:`featbake.store.roots.Root.workdir`): a Kaldi folder's or a cut manifest's (the
-    working directory it was opened in, or the one it was opened with); ``""`` for every kind
-    whose paths do not depend on the working directory."""
-    from featbake.encode.manifests import RowInputs
-
-    return inputs.found_in if isinstance(inputs, RowInputs) else ""
+    (:attr:`featbake.store.roots.Root.workdir`): a Kaldi folder's, a cut manifest's or a
+    table's whose path-only cells name relative paths (the working directory it was opened
+    in, or the one it was opened with); ``""`` for every kind whose paths do not depend on
+    the working directory."""
+    return inputs.found_in if isinstance(inputs, PathsFromWorkdir) else ""
 
 
 def falling_back_to(inputs: Inputs, build_workdir: str) -> None:
-    """Have ``inputs`` (a Kaldi folder or a cut manifest opened in this process's working
-    directory) take a relative path it does not find there from ``build_workdir``, the folder
-    its root's build took them from (:attr:`featbake.store.roots.Root.workdir`): a dataset run
-    from another directory then reads a file changed since its build as it is now, where it
-    would otherwise serve it as built. Set before the scan; nothing for other kinds."""
-    from featbake.encode.manifests import RowInputs
-
+    """Give ``inputs`` (opened in this process's working directory) ``build_workdir``, the
+    folder its root's build took relative paths from
+    (:attr:`featbake.store.roots.Root.workdir`). A Kaldi folder or a cut manifest takes a
+    relative path it does not find here from there: a dataset run from another directory
+    then reads a file changed since its build as it is now, where it would otherwise serve it
+    as built. A table takes its path-only cells' relative paths from there first (then its
+    own folder, then here): its rows are the files its build read, not other files of the
+    same names here (``datasets`` writes a table's paths as they were given, relative to
+    where the table was made). Set before the scan; nothing for other kinds."""
     if takes_paths_from_workdir(inputs):
-        assert isinstance(inputs, RowInputs)
+        assert isinstance(inputs, PathsFromWorkdir)
         inputs.build_workdir = build_workdir
 
 
@@ -590,11 +621,11 @@ def input_gone(inputs: Inputs, rel: str, listed: bool) -> bool:
 
 def takes_paths_from_workdir(inputs: Inputs) -> bool:
     """Whether ``inputs`` takes relative paths from this process's working directory (a Kaldi
-    folder or a cut manifest opened without a recorded folder)."""
-    from featbake.encode.manifests import RowInputs
-
+    folder, a cut manifest or a local table opened without a recorded folder)."""
     return (
-        isinstance(inputs, RowInputs) and inputs.paths_from_workdir and not inputs.workdir_recorded
+        isinstance(inputs, PathsFromWorkdir)
+        and inputs.paths_from_workdir
+        and not inputs.workdir_recorded
     )
 
 

@@ -38,6 +38,14 @@ unchanged table is read again: no stale digest), and it is decoded from that fil
 unchanged since it was hashed. A path that names no file is a bad row naming the path, where
 it was looked for, and the row. A bucket's table's path-only cells are refused (bad rows).
 
+The working directory a build took relative paths from is recorded in its root
+(:attr:`featbake.store.roots.Root.workdir`, :attr:`Table.found_in`), as a Kaldi folder's and
+lhotse cuts' are: a dataset or a rebuild opened from another directory takes them from there
+first, then from the table's folder, then from its own working directory
+(:attr:`Table.build_workdir`, :class:`CellPaths`); a table opened again as built (an export's
+check, an engine's worker) from there, then the table's folder. So other files of the same
+relative names in another working directory are not read in place of the ones built.
+
 **Bad rows**: a null cell, a cell with neither bytes nor a path, a path-only cell whose file is
 missing, a table file whose column holds neither bytes nor an Audio/Image struct; each is one
 line naming the file and row, skipped, and the build exits 3.
@@ -52,6 +60,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import enum
 import io
 import json
 import os
@@ -215,14 +224,29 @@ class Table:
         data: a ``.parquet`` file, a folder of them, or a folder ``save_to_disk`` wrote.
         column: the column to encode; None: the first Audio/Image (by the source's kind) or
             bytes column.
+        workdir: the folder path-only cells' relative paths are taken from first: a root's
+            record of its build's (:attr:`featbake.store.roots.Root.workdir`) where the table
+            is opened again as built (an export's check, an engine's worker); ``""``: the
+            working directory now, as ``datasets`` opens them.
     """
 
     #: Each file the hash cache does not know may be read by any process (an engine's task),
     #: by the scan's column and kinds: ``hash``'s ``digester`` (see ``inputs.digested_anywhere``).
     hashed_anywhere: ClassVar[bool] = True
 
-    def __init__(self, data: str, column: str | None = None) -> None:
+    def __init__(self, data: str, column: str | None = None, workdir: str = "") -> None:
         pyarrow_module()
+        #: The working directory path-only cells' relative paths are taken from (see
+        #: :class:`CellPaths`): ``workdir``, else this process's.
+        self.workdir = workdir or os.getcwd()
+        self.workdir_recorded = bool(workdir)  # a build's, not this process's own
+        #: The folder the table's last build took relative paths from, where a dataset or a
+        #: rebuild opens it from another working directory (set before the scan): taken from
+        #: there first, so the rows are read from the files their build read, not from other
+        #: files of the same relative names here (:attr:`cell_paths`).
+        self.build_workdir = ""
+        #: where the last scan's relative paths were found (:attr:`found_in`)
+        self.taken = TakenFrom()
         #: a bucket's parquet file -> its stat, and the listings to record (see :meth:`_listing`)
         self.listed: dict[str, FileStat] = {}
         self.known: HashCache | None = None
@@ -260,6 +284,35 @@ class Table:
     def stat_tells_change(self) -> bool:
         return False  # an item's stat is its file's: revalidate cannot stat a row
 
+    @property
+    def paths_from_workdir(self) -> bool:
+        """Whether the table takes relative paths from a working directory: a local table's
+        path-only cells may name them (a bucket's are refused; a text column names none)."""
+        return not self.remote and not self.text
+
+    @property
+    def cell_paths(self) -> CellPaths:
+        """Where path-only cells' relative paths are taken from: the build's working directory
+        given by :attr:`build_workdir` first (the working directory now last), else
+        :attr:`workdir`."""
+        build = self.build_workdir
+        if build and build != self.workdir and not self.workdir_recorded:
+            return CellPaths(build, SAID_BUILD, self.workdir)
+        return CellPaths(self.workdir, SAID_BUILD if self.workdir_recorded else SAID_HERE)
+
+    @property
+    def found_in(self) -> str:
+        """The folder the last scan's relative paths were taken from, for its root to record
+        (:attr:`featbake.store.roots.Root.workdir`): the working directory now where every one
+        found was found only from there (a build's folder no longer holds them), else
+        :attr:`CellPaths.workdir` (kept where none was found: a dataset run while the clips
+        are away does not lose the build's record); ``""`` where no cell named a relative path
+        (bytes, absolute paths: nothing depends on the working directory)."""
+        paths, taken = self.cell_paths, self.taken
+        if not taken.relative or not self.paths_from_workdir:
+            return ""
+        return paths.here if taken.here and not taken.workdir else paths.workdir
+
     def scan(self, extensions: Sequence[str]) -> ScanResult:
         """The rows of every file, in order, with ids; rows that cannot be items are set aside.
 
@@ -269,6 +322,7 @@ class Table:
         """
         listings = [self._listing(f) for f in self.files]
         self.scanned = {f.path: f.stat() for f in self.files if not f.remote}
+        self.taken = TakenFrom()
         schemas = [schema for schema, _ in listings]
         named = [(self.rel_file(f), s) for f, s in zip(self.files, schemas, strict=True)]
         refuse_mixed_schemas(self.where, named)  # one table: its files hold the same columns
@@ -509,15 +563,18 @@ class Table:
         for p in paths:
             file, row = split_item_path(p)
             by_file.setdefault(file, {})[int(row)] = p
+        looked = self.cell_paths
         for file, wanted in by_file.items():
             named = self._path_only(file, wanted)
             gone = self.replaced([file]).get(file) if named else None  # replaced meanwhile
             for at, where in named.items():
                 cell = wanted[at]
+                place: CellPlace | None = None
                 try:
-                    linked[cell] = cell_file(where, file)
+                    linked[cell], place = looked.file(where, file)
                 except SourceError as e:
                     refused[cell] = f"{cell}: {e}"
+                self.taken.note(where, place)
                 if gone is not None:
                     linked.pop(cell, None)
                     refused[cell] = gone
@@ -528,18 +585,31 @@ class Table:
         now (deleted since its build, or a relative path a dataset run from another directory
         does not reach): gone, as a manifest row's missing file is, so a dataset serves the
         features its build stored (:func:`~featbake.encode.inputs.input_gone`)."""
-        at = self.items.get(rel)
-        if at is None:
-            return False
-        file = self.files[at.file].path
-        named = self._paths_named(at.file).get(at.row)
+        named = self.cell_path(rel)
         if named is None or urlparse(named).scheme:
             return False
         try:
-            cell_file(named, file)
+            self.cell_paths.file(named, self.files[self.items[rel].file].path)
         except SourceError:
             return True
         return False
+
+    def cell_path(self, rel: str) -> str | None:
+        """The path item ``rel``'s cell names where it holds a path and no bytes (as the
+        table's file holds it now), else None (bytes, or no such item)."""
+        at = self.items.get(rel)
+        return None if at is None else self._paths_named(at.file).get(at.row)
+
+    def cell_files(self, rel: str) -> list[str]:
+        """Each file item ``rel``'s path-only cell names at a place it is looked for at (see
+        :class:`CellPaths`), in order, whether a file is there or not: what its build may
+        have hashed it as (the hash cache's rows are by these names); none for a cell that
+        holds bytes or a URL."""
+        named = self.cell_path(rel)
+        if named is None or urlparse(named).scheme:
+            return []
+        table_file = self.files[self.items[rel].file].path
+        return [file for file, _ in self.cell_paths.places(named, table_file)]
 
     def _paths_named(self, index: int) -> dict[int, str]:
         """:meth:`_path_only` of every scanned row of the table's file ``index``, read once
@@ -661,32 +731,99 @@ class Table:
         return found
 
 
-def cell_file(named: str, table_file: str) -> str:
-    """The local file a path-only cell's ``named`` path names (see the section's comment): an
-    absolute path as it is; a relative one from the working directory (as ``datasets`` opens
-    it), else from the folder of ``table_file`` where the first names no file.
+class CellPlace(enum.Enum):
+    """Where a path-only cell's relative path was taken from (see :class:`CellPaths`)."""
 
-    Raises:
-        SourceError: it names no file there (each place looked at said), or is a URL.
-    """
-    if urlparse(named).scheme:  # datasets' is_local_path: a URL is no local file
-        raise SourceError(
-            f"the cell holds no bytes, only the path {named!r}, a URL featbake does not read; "
-            "embed the bytes (datasets' embed_table_storage)"
+    WORKDIR = "workdir"  # the working directory relative paths are taken from first
+    BESIDE = "beside"  # the table file's folder
+    HERE = "here"  # the working directory now, after a build's folder and the table's
+
+
+#: How a message names each place a relative path is looked for at.
+SAID_HERE = "from the working directory, as datasets opens it"
+SAID_BUILD = "from the build's working directory, which its root records"
+SAID_BESIDE = "beside the table file"
+
+
+@dataclass(frozen=True)
+class CellPaths:
+    """Where a local table's path-only cells' relative paths are taken from, in order (see
+    the section's comment): ``workdir`` (the working directory, as ``datasets`` opens them,
+    or the one the table's build took them from, as its root records it), then the table
+    file's folder, then ``here`` (the working directory now, where ``workdir`` is a build's
+    that a dataset or a rebuild run elsewhere was given: a clip neither place holds any more
+    is looked for where ``datasets`` would open it; ``""``: not looked at). A relative path
+    is thus read from the files its build read, wherever it is opened again."""
+
+    workdir: str
+    said: str = SAID_HERE
+    here: str = ""
+
+    def places(self, named: str, table_file: str) -> list[tuple[str, CellPlace]]:
+        """(file, the place it is taken from) for each place ``named`` is looked for at, in
+        order, each file once (an absolute path: itself)."""
+        if os.path.isabs(named):
+            return [(os.path.normpath(named), CellPlace.WORKDIR)]
+        beside = os.path.dirname(os.path.abspath(table_file))
+        out: dict[str, CellPlace] = {}
+        for folder, place in (
+            (self.workdir, CellPlace.WORKDIR),
+            (beside, CellPlace.BESIDE),
+            (self.here, CellPlace.HERE),
+        ):
+            if folder:
+                out.setdefault(os.path.normpath(os.path.join(folder, named)), place)
+        return list(out.items())
+
+    def file(self, named: str, table_file: str) -> tuple[str, CellPlace]:
+        """The local file a path-only cell's ``named`` path names (in the table file
+        ``table_file``), and the place it was found at: the first of :meth:`places` that
+        holds a file.
+
+        Raises:
+            SourceError: it names no file at any of them (each place looked at said), or is
+                a URL.
+        """
+        if urlparse(named).scheme:  # datasets' is_local_path: a URL is no local file
+            raise SourceError(
+                f"the cell holds no bytes, only the path {named!r}, a URL featbake does not "
+                "read; embed the bytes (datasets' embed_table_storage)"
+            )
+        places = self.places(named, table_file)
+        found = next((p for p in places if os.path.isfile(p[0])), None)
+        if found is not None:
+            return found
+        looked = (
+            f"no file at {places[0][0]}"
+            if len(places) == 1
+            else "no file at "
+            + " nor at ".join(f"{file} ({self.place_said(place)})" for file, place in places)
         )
-    here = os.path.abspath(named)
-    beside = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(table_file)), named))
-    places = [here] if os.path.isabs(named) or beside == here else [here, beside]
-    found = next((p for p in places if os.path.isfile(p)), None)
-    if found is not None:
-        return found
-    looked = (
-        f"no file at {here}"
-        if len(places) == 1
-        else f"no file at {here} (from the working directory, as datasets opens it) nor at "
-        f"{beside} (beside the table file)"
-    )
-    raise SourceError(f"the cell holds no bytes and its path {named!r} names {looked}")
+        raise SourceError(f"the cell holds no bytes and its path {named!r} names {looked}")
+
+    def place_said(self, place: CellPlace) -> str:
+        """How a message names ``place``."""
+        if place is CellPlace.WORKDIR:
+            return self.said
+        return SAID_BESIDE if place is CellPlace.BESIDE else SAID_HERE
+
+
+@dataclass
+class TakenFrom:
+    """Where a scan's path-only cells' relative paths were found (:meth:`Table.linked_cells`),
+    for its root to record the folder they were taken from (:attr:`Table.found_in`)."""
+
+    relative: bool = False  # a cell named a relative path (found or not)
+    workdir: bool = False  # one was found from :attr:`CellPaths.workdir`
+    here: bool = False  # one was found only from :attr:`CellPaths.here`
+
+    def note(self, named: str, place: CellPlace | None) -> None:
+        """Count one cell naming ``named``, found at ``place`` (None: found nowhere)."""
+        if os.path.isabs(named) or urlparse(named).scheme:
+            return
+        self.relative = True
+        self.workdir |= place is CellPlace.WORKDIR
+        self.here |= place is CellPlace.HERE
 
 
 def hash_linked(
@@ -842,7 +979,7 @@ class CellSource:
             SourceError: it names no file, or the file cannot be read.
         """
         try:
-            file = cell_file(named, f.path)
+            file = self.table.cell_paths.file(named, f.path)[0]
         except SourceError as e:
             raise SourceError(f"{path}: {e}") from None
         try:
@@ -910,6 +1047,7 @@ class CellSource:
         return self.inner.load(path, io.BytesIO(got.data))
 
 
-def table_at(data: str, column: str | None = None) -> Table:
-    """The table at ``data`` (see :class:`Table`)."""
-    return Table(data, column)
+def table_at(data: str, column: str | None = None, workdir: str = "") -> Table:
+    """The table at ``data`` (see :class:`Table`), its path-only cells' relative paths taken
+    from ``workdir`` (``""``: the working directory)."""
+    return Table(data, column, workdir)

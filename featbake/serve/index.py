@@ -9,8 +9,11 @@ deleted, a member no longer listed) keeps its manifest key and is still served f
 one still there that cannot be read as it is now is not (:func:`_as_built`). A Kaldi
 folder's or a cut manifest's relative path not found from this process's working directory is
 read where the build read it (the root's ``workdir``), so only a file gone from both is served
-as built. Without a root (no build ran, or a list of paths) the inputs are hashed once
-through the hash cache.
+as built; a table's path-only cells' relative paths are taken from there first. A table row
+whose clip is not found, in a table file changed since the build, is served as built where
+the file its cell names is the one the hash cache keys as built; else it is kept in the root
+but not served (:func:`untied_rows`, :func:`held_back`). Without a root (no build ran, or a
+list of paths) the inputs are hashed once through the hash cache.
 
 Tables indexed by item live in numpy arrays rather than Python lists so that forked workers do
 not copy them page by page as reference counts change.
@@ -276,6 +279,9 @@ def _index_place(
             failed[path] = built or failed.get(path, "cannot be read")
             bad.append(path)
             keys.append("")
+    order = list(rel_paths)  # the root's items' order, rows held back among them
+    kept = held_back(inputs, unhashed, as_built)
+    rel_paths, keys, hashed = _without(kept, rel_paths, keys, hashed)
     if bad and keeps_order(inputs):  # a manifest's bad rows are left out, as the build skips them
         rel_paths, keys, hashed = _without_bad_rows(inputs, rel_paths, keys, hashed, failed)
     else:
@@ -285,17 +291,41 @@ def _index_place(
             rel_paths, keys, hashed, catalog.undecodable(name), catalog, inputs.where
         )
     if publish:
-        items = list(zip(rel_paths, keys, strict=True))
+        items = rooted_items(order, rel_paths, keys, {r: manifest[r] for r in kept})
         _publish_root(
             catalog, spec, data_dir, items, name, new=new_root, workdir=workdir_of(inputs)
         )
     return Index(rel_paths, keys, data_dir, catalog, spec, hashed, inputs, name)
 
 
+def _without(
+    rels: Collection[str], rel_paths: list[str], keys: list[str], hashed: list[FileStat | None]
+) -> tuple[list[str], list[str], list[FileStat | None]]:
+    """The items less those named in ``rels``."""
+    if not rels:
+        return rel_paths, keys, hashed
+    left = [i for i, r in enumerate(rel_paths) if r not in rels]
+    return [rel_paths[i] for i in left], [keys[i] for i in left], [hashed[i] for i in left]
+
+
+def rooted_items(
+    order: Sequence[str], rel_paths: Sequence[str], keys: Sequence[str], kept: Mapping[str, str]
+) -> list[tuple[str, str]]:
+    """The root's items: those served (``rel_paths`` and their ``keys``) and the rows ``kept``
+    in the root but not served (row -> its key as built: :func:`held_back`), in ``order``."""
+    if not kept:
+        return list(zip(rel_paths, keys, strict=True))
+    served = dict(zip(rel_paths, keys, strict=True))
+    return [(r, served[r] if r in served else kept[r]) for r in order if r in served or r in kept]
+
+
 class AsBuilt(NamedTuple):
-    """An item served the features its root's build stored (its input gone since)."""
+    """An item served the features its root's build stored (its input gone since); not
+    ``served``: a row that cannot be told to be the input they were made from, kept in the
+    root (so ``gc`` keeps them) but not served (:func:`held_back`)."""
 
     key: str
+    served: bool = True
 
 
 def _as_built(
@@ -317,7 +347,10 @@ def _as_built(
     million rows whose audio was deleted once baked) is checked to be keyed as its root says.
     A whole-file row the hash cache never knew is refused where the manifest changed since
     the root's build (a row edited to name a file not there yet). A segment's key needs its
-    file's header: a gone file's segment rows are served as built unchecked.
+    file's header: a gone file's segment rows are served as built unchecked. A table row
+    whose path-only cell names a clip not found is served as built unless its table file
+    changed since and the clip it names is not the one the hash cache keys as built: then it
+    is kept in the root, not served (:func:`untied_rows`).
     """
     out: dict[str, AsBuilt | str] = {}
     whole: dict[str, str] = {}  # rel -> its gone file, a whole-file row's
@@ -330,18 +363,10 @@ def _as_built(
         item = inputs.items.get(rel) if isinstance(inputs, RowInputs) else None
         if item is not None and item.span is None and item.effects is None:
             whole[rel] = item.file
-    linked = (
-        [r for r, v in out.items() if isinstance(v, AsBuilt)] if isinstance(inputs, Table) else []
-    )
-    changed = table_files_changed(inputs, root_written(catalog, root)) if linked else set()
-    for rel in linked:
-        if split_item_path(inputs.path(rel))[0] in changed:  # its row may name another file
-            out[rel] = (
-                f"the file the cell of {rel!r} names is gone (or not reached from this working "
-                "directory), and the table changed since the build: its stored features may be "
-                "another file's; restore the file, run from the build's working directory, or "
-                "run `featbake build`"
-            )
+    if isinstance(inputs, Table):
+        linked = [r for r, v in out.items() if isinstance(v, AsBuilt)]
+        for rel in untied_rows(inputs, linked, manifest, spec, catalog, root):
+            out[rel] = AsBuilt(manifest[rel], served=False)
     known = catalog.hash_rows(sorted(set(whole.values()))) if whole else {}
     edited = bool(whole) and rows_edited_since(inputs, root_written(catalog, root))
     for rel, file in whole.items():
@@ -358,6 +383,57 @@ def _as_built(
                 "this one?); restore the file, or fix the row and run `featbake build`"
             )
     return out
+
+
+def untied_rows(
+    inputs: Table,
+    rels: Sequence[str],
+    manifest: Mapping[str, str],
+    spec: IndexSpec,
+    catalog: ServingStore,
+    root: str,
+) -> list[str]:
+    """Of a table's rows ``rels`` whose path-only cells name a file not found now, those that
+    cannot be told to be the inputs their stored features were made from: their table file
+    changed since the root was written (:func:`table_files_changed`: a row may have been
+    edited to name another file), and no file the cell now names is one the hash cache keys
+    as the root does (the clip its build hashed, by its own path: the same input, whatever
+    happened to the table file's status, a ``touch`` or a ``cp``)."""
+    changed = table_files_changed(inputs, root_written(catalog, root)) if rels else set()
+    maybe = [r for r in rels if split_item_path(inputs.path(r))[0] in changed]
+    named = {rel: inputs.cell_files(rel) for rel in maybe}
+    known = catalog.hash_rows(sorted({f for files in named.values() for f in files}))
+    return [
+        rel
+        for rel, files in named.items()
+        if not any(f in known and spec.key(known[f].sha256) == manifest[rel] for f in files)
+    ]
+
+
+def held_back(
+    inputs: Inputs, rels: Sequence[str], as_built: Mapping[str, AsBuilt | str]
+) -> set[str]:
+    """The rows of ``rels`` kept in the root but not served (:func:`untied_rows`), after one
+    warning naming (up to five of) them, the path each cell names, and what to do: their
+    stored features are kept (the root keeps them, so ``gc`` does), not lost by a table file
+    touched or copied; nor are they served, which a row edited to name another file would
+    get wrong."""
+    out = [r for r in rels if isinstance(b := as_built.get(r), AsBuilt) and not b.served]
+    if not out:
+        return set()
+    named = inputs.cell_path if isinstance(inputs, Table) else (lambda rel: None)
+    shown = "; ".join(f"{rel} names {named(rel)!r}" for rel in out[:5])
+    more = f" (and {len(out) - 5} more)" if len(out) > 5 else ""
+    workdir = workdir_of(inputs)
+    here = f" (relative to {workdir}, the build's working directory)" if workdir else ""
+    warnings.warn(
+        f"{len(out)} row(s) of {inputs.where} name clips not found, and their table file "
+        f"changed since the build, so whether they are the clips built cannot be told: their "
+        f"stored features are kept, not served: {shown}{more}; to serve them, restore the "
+        f"clips they name{here} or undo the edit; `featbake build` drops them",
+        stacklevel=4,
+    )
+    return set(out)
 
 
 def root_written(catalog: ServingStore, name: str) -> float | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.catalog import Catalog
 from featbake.store.layout import Layout
+from featbake.store.roots import root_file
 from featbake.testing import make_tone
 from tests.conftest import invoke
 from tests.helpers import stored_features
@@ -93,6 +94,25 @@ def run_now(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def catalog(tmp_path: Path) -> Catalog:
     return Catalog(Layout(tmp_path / "store").ensure())
+
+
+def root_before(store: Path, root: str, table: Path) -> None:
+    """Date root ``root``'s manifest file a minute before ``table``'s status last changed:
+    the table then changed after the root was written, with no wait (a change time cannot be
+    set back; the root's modification time can)."""
+    when = max(table.stat().st_ctime, table.stat().st_mtime) - 60
+    os.utime(root_file(Layout(store), root), (when, when))
+
+
+def root_of(store: Path, root: str) -> tuple[str, dict[str, str]]:
+    """Root ``root``'s recorded working directory and items (name -> key)."""
+    cat = Catalog(Layout(store))
+    try:
+        found = cat.root(root)
+        assert found is not None
+        return found.workdir, dict(cat.root_items(root))
+    finally:
+        cat.close()
 
 
 # == the test's table ==============================================================================
@@ -328,7 +348,7 @@ def test_rows_whose_clips_are_not_found_now_are_served_as_built_and_kept_by_gc(
     t = PathTable(tmp_path)
     monkeypatch.chdir(t.project)
     store = tmp_path / "store"
-    build(t.table, encoder_file, cache=store, workers=0, column="audio")
+    report = build(t.table, encoder_file, cache=store, workers=0, column="audio")
     module = encoder_now(encoder_file)
     rows = (0, 1, 2, 4)
     elsewhere = tmp_path / "job"
@@ -353,9 +373,151 @@ def test_rows_whose_clips_are_not_found_now_are_served_as_built_and_kept_by_gc(
             want = clip_tensor(t.files[4])
             t.files[4].unlink()
         assert torch.equal(home[i], run_now(module, want)), n
-    time.sleep(0.01)  # a change time after the root's (file times, not a wait on work)
-    t.table.write_bytes(t.table.read_bytes())  # rewritten after the build ...
+    cells = pq.read_table(t.table).column("audio").to_pylist()
+    cells[4] = only_path("clips/other.wav")  # edited after the build to name another clip ...
+    write_path_parquet(t.table, cells)
     os.utime(t.table, (1, 1))  # ... its modification time set back, as cp -p does
+    root_before(store, report.root, t.table)
     with pytest.warns(UserWarning):
         edited = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
     assert "train.parquet:4" not in [edited.item_id(i) for i in range(len(edited))]
+
+
+def test_rows_whose_clips_are_gone_in_a_copied_table_are_served_as_built_and_kept_by_gc(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The table file is copied over itself (``cp``: its modification and change times after
+    the root's) and touched, its rows unchanged; two clips are deleted (one relative to the
+    working directory, one beside the table). Each of those rows still names the clip its
+    build hashed (the hash cache keys that file as the root does): it is the same input, so
+    the dataset serves it as built, the root keeps it, and `gc` keeps its features. Before,
+    both rows were refused, the root was published again without them and `gc` freed their
+    features."""
+    t = PathTable(tmp_path)
+    monkeypatch.chdir(t.project)
+    store = tmp_path / "store"
+    report = build(t.table, encoder_file, cache=store, workers=0, column="audio")
+    module = encoder_now(encoder_file)
+    want = {n: run_now(module, clip_tensor(f)) for n, f in t.files.items()}
+    _, built = root_of(store, report.root)
+    copy = tmp_path / "copy.parquet"
+    shutil.copyfile(t.table, copy)
+    shutil.copyfile(copy, t.table)  # cp back: new modification and change times
+    os.utime(t.table)  # touched
+    t.files[2].unlink()
+    t.files[4].unlink()
+    root_before(store, report.root, t.table)
+    with pytest.warns(UserWarning) as told:
+        ds = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+    said = " ".join(str(w.message) for w in told)
+    assert "train.parquet:2" not in said and "train.parquet:4" not in said, said
+    rows = (0, 1, 2, 4)
+    assert [ds.item_id(i) for i in range(len(ds))] == [f"train.parquet:{n}" for n in rows]
+    for i, n in enumerate(rows):
+        assert torch.equal(ds[i], want[n]), n
+    assert root_of(store, report.root)[1] == built
+    assert invoke("gc", "--cache", store, "--grace", "0s").returncode == 0
+    stored = stored_features(store, report.root)
+    assert sorted(stored) == [f"train.parquet:{n}" for n in rows]
+    for n in rows:
+        assert torch.equal(stored[f"train.parquet:{n}"][""], want[n]), n
+
+
+def test_a_row_edited_to_name_another_missing_clip_is_not_served_and_its_features_are_kept(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row edited after the build to name another clip that is not there cannot be told to
+    be the input built: it is not served, but the root keeps it with its key as built, so
+    `gc` keeps its features, and one warning line names the row, the path its cell names now
+    and what to do. Its clip restored, the row is served again (the edit undone, the cell
+    naming the clip built). Before, the root was published again without the row and `gc`
+    freed its features."""
+    t = PathTable(tmp_path)
+    monkeypatch.chdir(t.project)
+    store = tmp_path / "store"
+    report = build(t.table, encoder_file, cache=store, workers=0, column="audio")
+    module = encoder_now(encoder_file)
+    want = {n: run_now(module, clip_tensor(f)) for n, f in t.files.items()}
+    _, built = root_of(store, report.root)
+    cells = pq.read_table(t.table).column("audio").to_pylist()
+    edited = [*cells[:4], only_path("clips/renamed.wav"), cells[5]]
+    write_path_parquet(t.table, edited)
+    root_before(store, report.root, t.table)
+    with pytest.warns(UserWarning) as told:
+        ds = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+    assert [ds.item_id(i) for i in range(len(ds))] == [f"train.parquet:{n}" for n in (0, 1, 2)]
+    lines = [str(w.message) for w in told if "train.parquet:4" in str(w.message)]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "train.parquet:4 names 'clips/renamed.wav'" in lines[0], lines
+    assert "stored features are kept, not served" in lines[0], lines
+    assert f"restore the clips they name (relative to {t.project}, the build's" in lines[0]
+    assert root_of(store, report.root)[1] == built
+    assert invoke("gc", "--cache", store, "--grace", "0s").returncode == 0
+    stored = stored_features(store, report.root)
+    assert sorted(stored) == [f"train.parquet:{n}" for n in (0, 1, 2, 4)]
+    assert torch.equal(stored["train.parquet:4"][""], want[4])
+    write_path_parquet(t.table, cells)  # the edit undone
+    root_before(store, report.root, t.table)
+    t.files[4].unlink()  # its clip gone: the row names the clip built, served as built
+    with pytest.warns(UserWarning):
+        back = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+    assert [back.item_id(i) for i in range(len(back))][-1] == "train.parquet:4"
+    assert torch.equal(back[len(back) - 1], want[4])
+
+
+def test_a_dataset_and_a_rebuild_elsewhere_read_the_clips_built_not_others_of_the_same_names(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build records the working directory it took relative paths from. Run from another
+    directory that holds other clips of the same relative names, a dataset serves the clips
+    built (equal to the encoder run now on them, not on the others), its root keeps the
+    build's keys and folder, and `gc` keeps every feature; a rebuild from there reuses all
+    four rows; the table opened again as built (an export's check) takes them from the
+    recorded folder. Before, the other clips were read: the dataset served their features,
+    published the root with their keys, and `gc` freed the build's."""
+    t = PathTable(tmp_path)
+    monkeypatch.chdir(t.project)
+    store = tmp_path / "store"
+    report = build(t.table, encoder_file, cache=store, workers=0, column="audio")
+    _, built = root_of(store, report.root)
+    module = encoder_now(encoder_file)
+    want = {n: run_now(module, clip_tensor(f)) for n, f in t.files.items()}
+    job = tmp_path / "job"
+    others = {n: write_clip(job / "clips" / f"c{n}.wav", 60 + n, 0.45) for n in (0, 4)}
+    monkeypatch.chdir(job)
+    with pytest.warns(UserWarning):
+        ds = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+    rows = (0, 1, 2, 4)
+    assert [ds.item_id(i) for i in range(len(ds))] == [f"train.parquet:{n}" for n in rows]
+    for i, n in enumerate(rows):
+        assert torch.equal(ds[i], want[n]), n
+    for n, other in others.items():
+        assert not torch.equal(want[n], run_now(module, clip_tensor(other))), n
+    assert root_of(store, report.root) == (str(t.project), built)
+    assert invoke("gc", "--cache", store, "--grace", "0s").returncode == 0
+    stored = stored_features(store, report.root)
+    assert sorted(stored) == [f"train.parquet:{n}" for n in rows]
+    again = build(t.table, encoder_file, cache=store, workers=0, column="audio")
+    assert (again.encoded, again.reused) == (0, 4)
+    assert root_of(store, report.root) == (str(t.project), built)
+    opened = Table(str(t.table), workdir=str(t.project))  # as an export opens it
+    paths = [opened.path(r) for r in opened.scan([".wav"]).inputs]
+    digests, _ = opened.hash(catalog(tmp_path), [paths[0], paths[4]])
+    assert digests == {paths[n]: sha256_hex(t.files[n].read_bytes()) for n in (0, 4)}
+    # The build's clips away (and the others), the absolute clip rewritten: the root is
+    # published again (row 1's new key), still recording the build's folder, rows 0 and 4
+    # served as built.
+    (t.project / "clips").rename(t.project / "away")
+    shutil.rmtree(job / "clips")
+    write_clip(tmp_path / "c1.wav", 31, 0.5)
+    t.files[1] = tmp_path / "c1.wav"
+    cells = pq.read_table(t.table).column("audio").to_pylist()
+    write_path_parquet(t.table, [cells[0], only_path(t.files[1]), *cells[2:]])
+    with pytest.warns(UserWarning):
+        moved = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+    assert [moved.item_id(i) for i in range(len(moved))] == [f"train.parquet:{n}" for n in rows]
+    assert torch.equal(moved[1], run_now(module, clip_tensor(t.files[1])))
+    for i in (0, 3):
+        assert torch.equal(moved[i], want[rows[i]]), i
+    workdir, now = root_of(store, report.root)
+    assert workdir == str(t.project) and now != built
