@@ -15,6 +15,7 @@ this module loads both.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import json
 import os
@@ -32,16 +33,24 @@ from featbake.encode.fingerprints import FolderState
 from featbake.encode.hf_folders import (
     AUDIO_PARTS,
     PREPROCESSOR_FILE,
+    DenseLayer,
+    Normalizing,
+    SentenceModuleUnsupported,
+    SentencePipeline,
     image_recipe_for_folder,
+    is_sentence_folder,
     is_text_folder,
     is_vision_folder,
     processor_settings,
     read_config,
+    sentence_files_digest,
+    sentence_pipeline,
     text_recipe_for_folder,
     tower_config,
+    transformer_subfolder,
 )
 from featbake.encode.outputs import layers_to_run, part_name, resolve_layers
-from featbake.errors import ConfigError, EncoderLoadError
+from featbake.errors import ConfigError, EncoderLoadError, first_line
 from featbake.keys import module_fingerprint
 from featbake.recipe import Recipe, TextRecipe
 
@@ -141,8 +150,12 @@ class HFVisionEncoder(nn.Module):
 # * ``pooled``: the model's ``pooler_output`` where it has one (BERT's tanh head on [CLS], CLIP's
 #   final-layernormed end-of-text token) ``[D]``; T5's encoder has none;
 # * ``text_embeds``: CLIPTextModelWithProjection's projection of ``pooled`` ``[D']``;
+# * ``sentence_embedding``: a sentence-transformers folder's (``modules.json``) embedding, as
+#   ``SentenceTransformer.encode`` returns it: its pooling of ``tokens`` under the attention mask,
+#   then its dense layers and normalisation (:class:`SentenceHead`) ``[D']``;
 # * ``layer6`` ...: ``hidden_states[6]`` with ``--layers``.
 TEXT_EMBEDS = "text_embeds"
+SENTENCE_EMBEDDING = "sentence_embedding"
 #: Files a tokenizer is read from; those present are hashed into the recipe.
 ENCODER_ONLY = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
 #: Classes whose folders featbake loads by their own class (``AutoModel`` drops the projection).
@@ -159,23 +172,199 @@ def text_class_name(config: dict[str, Any]) -> str:
     return ENCODER_ONLY.get(str(config.get("model_type")), "AutoModel")
 
 
+def _pool_cls(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The first token's row (rows are padded on the right, so it is never padding)."""
+    return tokens[:, 0]
+
+
+def _pool_max(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each dimension's largest value over the text's own tokens."""
+    return tokens.masked_fill(~mask[:, :, None], float("-inf")).max(dim=1).values
+
+
+def _token_sums(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of the text's own token rows and how many they are (at least 1e-9)."""
+    weights = mask[:, :, None].to(tokens.dtype)
+    return (tokens * weights).sum(dim=1), weights.sum(dim=1).clamp(min=1e-9)
+
+
+def _pool_mean(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean of the text's own token rows."""
+    total, count = _token_sums(tokens, mask)
+    return total / count
+
+
+def _pool_mean_sqrt_len(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The sum of the text's own token rows over the square root of their number."""
+    total, count = _token_sums(tokens, mask)
+    return total / count.sqrt()
+
+
+def _pool_weighted_mean(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean of the text's own token rows weighted by their position (1, 2, ...)."""
+    positions = torch.arange(1, tokens.shape[1] + 1, device=tokens.device, dtype=tokens.dtype)
+    weights = mask.to(tokens.dtype)[:, :, None] * positions[None, :, None]
+    return (tokens * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+
+
+def _pool_last_token(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The text's last token's row."""
+    last = (mask.sum(dim=1) - 1).clamp(min=0)
+    return tokens[torch.arange(tokens.shape[0], device=tokens.device), last]
+
+
+#: sentence-transformers' pooling modes, each over ``tokens [B, N, D]`` and ``mask [B, N]``.
+POOLINGS = {
+    "cls": _pool_cls,
+    "max": _pool_max,
+    "mean": _pool_mean,
+    "mean_sqrt_len_tokens": _pool_mean_sqrt_len,
+    "weightedmean": _pool_weighted_mean,
+    "lasttoken": _pool_last_token,
+}
+
+
+class SentenceDense(nn.Module):
+    """sentence-transformers' ``Dense``: ``activation(linear(x))``, plus ``x`` (projected where
+    the sizes differ) with a residual; its weights load under the same names."""
+
+    def __init__(self, layer: DenseLayer, activation: nn.Module) -> None:
+        super().__init__()
+        self.linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias)
+        self.activation_function = activation  # sentence-transformers' name: a PReLU's weight
+        self.use_residual = layer.residual
+        if layer.residual and layer.in_features != layer.out_features:
+            self.residual = nn.Linear(layer.in_features, layer.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.activation_function(self.linear(x))
+        if self.use_residual:
+            out = out + (self.residual(x) if hasattr(self, "residual") else x)
+        return out
+
+
+class SentenceNormalize(nn.Module):
+    """sentence-transformers' ``Normalize``: each embedding over its L2 norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.normalize(x, p=2, dim=-1)
+
+
+class SentenceHead(nn.Module):
+    """A sentence-transformers folder's modules after its transformer: ``forward(tokens, mask)``
+    pools the token rows by each mode (concatenated in order), then runs the dense layers and
+    normalisation in turn, as ``SentenceTransformer.encode`` does."""
+
+    def __init__(self, pooling: tuple[str, ...], after: list[nn.Module]) -> None:
+        super().__init__()
+        self.pooling = pooling
+        self.after = nn.ModuleList(after)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([POOLINGS[mode](tokens, mask) for mode in self.pooling], dim=-1)
+        for module in self.after:
+            x = module(x)
+        return x
+
+
+def sentence_head(folder: Path, pipeline: SentencePipeline) -> SentenceHead:
+    """The torch modules of ``pipeline``, dense weights loaded from the folder.
+
+    Raises:
+        SentenceModuleUnsupported: an activation that is no torch activation, or dense weights
+            missing or not of the config's shapes.
+    """
+    after: list[nn.Module] = []
+    for step in pipeline.after:
+        if isinstance(step, Normalizing):
+            after.append(SentenceNormalize())
+            continue
+        dense = SentenceDense(step, activation_module(step.activation, folder / step.folder))
+        try:
+            dense.load_state_dict(dense_weights(folder / step.folder))
+        except RuntimeError as e:
+            raise SentenceModuleUnsupported(
+                f"the weights in {folder / step.folder} do not fit its config.json "
+                f"({' '.join(str(e).split())[:200]}); save the model again"
+            ) from e
+        after.append(dense.eval())
+    return SentenceHead(pipeline.pooling, after)
+
+
+def activation_module(name: str, where: Path) -> nn.Module:
+    """A dense layer's activation from its dotted name (``torch.nn.modules.activation.Tanh``),
+    built without arguments as sentence-transformers does; torch's modules only (another name
+    would import code a folder chose).
+
+    Raises:
+        SentenceModuleUnsupported: the name is no torch module class.
+    """
+    module_name, _, class_name = name.rpartition(".")
+    found: Any = None
+    if module_name == "torch.nn" or module_name.startswith("torch.nn."):
+        try:
+            found = getattr(importlib.import_module(module_name), class_name, None)
+        except ImportError:
+            found = None
+    if not (isinstance(found, type) and issubclass(found, nn.Module)):
+        raise SentenceModuleUnsupported(
+            f"{where}/config.json names the activation {name!r}, which is no torch activation "
+            "(torch.nn's, such as torch.nn.modules.activation.Tanh); ask for --output tokens"
+        )
+    return found()
+
+
+#: A module's weights, as sentence-transformers saves them (safetensors first).
+DENSE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+
+
+def dense_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """A dense module's saved weights.
+
+    Raises:
+        SentenceModuleUnsupported: neither weights file is there, or it cannot be read.
+    """
+    found = next((folder / n for n in DENSE_WEIGHTS if (folder / n).is_file()), None)
+    if found is None:
+        raise SentenceModuleUnsupported(
+            f"{folder} has no {' or '.join(DENSE_WEIGHTS)} for its Dense layer; save the model "
+            "again (SentenceTransformer.save)"
+        )
+    try:
+        if found.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(found))
+        return dict(torch.load(found, map_location="cpu", weights_only=True))
+    except Exception as e:
+        raise SentenceModuleUnsupported(f"cannot read {found}: {first_line(e)}") from e
+
+
 class HFTextEncoder(nn.Module):
     """A transformers text model behind ``forward(input_ids, lengths) -> (parts, lengths)``.
 
     Rows are padded on the right; positions past a row's length get the tokenizer's pad id and
     are masked out, as the tokenizer's own padding would give. ``parts``: ``tokens``
     ``[B, N, D]``, ``pooled`` ``[B, D]`` where the model pools, ``text_embeds`` for a CLIP text
-    model with projection; with ``layers``, ``{"layer6": hidden_states[6], ...}``.
+    model with projection, ``sentence_embedding`` ``[B, D']`` where ``sentence`` is given (a
+    sentence-transformers folder's head, pooling under the same mask); with ``layers``,
+    ``{"layer6": hidden_states[6], ...}``.
     """
 
     def __init__(
-        self, model: Any, layers: tuple[int, ...] | None, pad_id: int, projection: Any = None
+        self,
+        model: Any,
+        layers: tuple[int, ...] | None,
+        pad_id: int,
+        projection: Any = None,
+        sentence: SentenceHead | None = None,
     ) -> None:
         super().__init__()
         self.model = model
         self.layers = layers
         self.pad_id = pad_id
         self.projection = projection
+        self.sentence = sentence
 
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[Any, torch.Tensor]:
         positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
@@ -194,6 +383,8 @@ class HFTextEncoder(nn.Module):
             parts[POOLED] = pooled
             if self.projection is not None:
                 parts[TEXT_EMBEDS] = self.projection(pooled)
+        if self.sentence is not None:
+            parts[SENTENCE_EMBEDDING] = self.sentence(out.last_hidden_state, mask)
         return parts, lengths
 
 
@@ -224,17 +415,34 @@ def _text_encoder(
     projection = getattr(model, "text_projection", None)
     runs = model.text_model if projection is not None else model  # CLIP: pooled, then project
     pad_id = getattr(model.config, "pad_token_id", None)
-    wrapper = HFTextEncoder(runs, chosen, int(pad_id or 0), projection)
-    identity = folder_identity(path, model, Preprocessor())
+    head, refused = _sentence_head_of(path)
+    wrapper = HFTextEncoder(runs, chosen, int(pad_id or 0), projection, head)
+    identity = folder_identity(path, model, Preprocessor(), sentence=sentence_files_digest(path))
     enc = from_module(wrapper, label=str(path), kind=HF, identity=identity, device=device)
     enc._fingerprint = module_fingerprint(wrapper, identity)
-    enc.whole_parts = frozenset({POOLED, TEXT_EMBEDS})
+    enc.whole_parts = frozenset({POOLED, TEXT_EMBEDS, SENTENCE_EMBEDDING})
+    if refused is not None:
+        enc.absent_outputs[SENTENCE_EMBEDDING] = refused
     if getattr(runs, "pooler", False) is None or ENCODER_ONLY.get(model.config.model_type):
         enc.absent_outputs[POOLED] = (
             f"{path} holds a {type(model).__name__}, which has no pooler output; ask for "
             f"--output {TOKENS} and pool the rows yourself"
         )
     return enc
+
+
+def _sentence_head_of(path: Path) -> tuple[SentenceHead | None, str | None]:
+    """A sentence-transformers folder's head, or why it gives no ``sentence_embedding`` (one
+    line: its tokens still build); (None, None) for any other folder."""
+    pipeline = sentence_pipeline(path)
+    if pipeline is None:
+        return None, None
+    if pipeline.refused is not None:
+        return None, pipeline.refused
+    try:
+        return sentence_head(path, pipeline), None
+    except SentenceModuleUnsupported as e:
+        return None, first_line(e)
 
 
 # == hf ============================================================================================
@@ -332,10 +540,35 @@ def _folder_text_steps(folder: str | os.PathLike[str]) -> TextRecipe:
 
 
 def recipe_for_encoder(spec: Any, recipe: Recipe) -> Recipe:
-    """:func:`recipe_for_folder` when ``spec`` names a Hugging Face folder, else ``recipe``."""
+    """:func:`recipe_for_folder` when ``spec`` names a Hugging Face folder, else ``recipe``.
+
+    Raises:
+        EncoderLoadError: a sentence-transformers folder of the old layout
+            (:func:`refuse_a_transformer_subfolder`), before its texts are taken for audio.
+    """
     if isinstance(spec, (str, os.PathLike)) and is_hf_folder(spec):
         return recipe_for_folder(spec, recipe)
+    if isinstance(spec, (str, os.PathLike)):
+        refuse_a_transformer_subfolder(spec)
     return recipe
+
+
+def refuse_a_transformer_subfolder(folder: str | os.PathLike[str]) -> None:
+    """Refuse a sentence-transformers folder whose transformer is in a subfolder
+    (``0_Transformer/``, as releases before 3 saved it) with none at its top: its tokenizer,
+    model and modules would each be read from another folder; saved again, the transformer is
+    at the top.
+
+    Raises:
+        EncoderLoadError: one line saying how to save it again.
+    """
+    sub = transformer_subfolder(folder)
+    if sub is not None and not (Path(folder) / "config.json").is_file():
+        raise EncoderLoadError(
+            f"{folder} is a sentence-transformers folder whose transformer is in {sub}/, as "
+            "releases before 3 saved it; save it again with a newer one "
+            "(SentenceTransformer(folder).save(new_folder)) to put it at the top"
+        )
 
 
 def check_recipe_supported(encoder: LoadedEncoder, recipe: Recipe) -> None:
@@ -536,8 +769,12 @@ def check_loading_info(folder: Path, info: dict[str, Any]) -> None:
         )
 
 
-def folder_identity(folder: Path, model: Any, pre: Preprocessor) -> str:
-    """Model class, full config and preprocessor, and the adapter version (weights come after)."""
+def folder_identity(
+    folder: Path, model: Any, pre: Preprocessor, *, sentence: str | None = None
+) -> str:
+    """Model class, full config and preprocessor, and the adapter version (weights come after);
+    with ``sentence``, the digest of a sentence-transformers folder's own files
+    (:func:`~featbake.encode.hf_folders.sentence_files_digest`: pooling, dense, normalise)."""
     config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
     parts = [
         f"hf:{type(model).__module__}.{type(model).__qualname__}",
@@ -545,6 +782,8 @@ def folder_identity(folder: Path, model: Any, pre: Preprocessor) -> str:
         f"config:{hashlib.sha256(config.encode()).hexdigest()}",
         f"preprocessor:{pre}",
     ]
+    if sentence is not None:
+        parts.append(f"sentence-transformers:{sentence}")
     return "\n".join(parts)
 
 
@@ -578,6 +817,7 @@ def load_hf_folder(
         ConfigError: a layer past the model's last.
     """
     path = Path(folder).resolve()
+    refuse_a_transformer_subfolder(path)
     if not (path / "config.json").is_file():  # e.g. the data folder given as --encoder
         raise EncoderLoadError(
             f"{folder} is a folder without config.json, so no Hugging Face model folder; "
@@ -586,8 +826,11 @@ def load_hf_folder(
         )
     taken = time.time_ns()  # before the stats: what a racy entry is measured against
     # Recorded only from a load of transformers as installed (imported by this load): one the
-    # process may have patched first gives its own fingerprint, no other process's.
-    before = FolderState.of(path) if fingerprints.transformers_as_installed() else None
+    # process may have patched first gives its own fingerprint, no other process's. Nor for a
+    # sentence-transformers folder: its modules' files (1_Pooling/config.json, dense weights)
+    # are in subfolders, whose stats do not change when a file in them is rewritten.
+    remembered = fingerprints.transformers_as_installed() and not is_sentence_folder(path)
+    before = FolderState.of(path) if remembered else None
     enc = _load_folder(path, layers, device)
     if before is not None and FolderState.of(path) == before:  # unchanged over the load
         enc.folder_state, enc.loaded_from = before, LoadedFrom(before.newest, taken)

@@ -9,6 +9,7 @@ recipe (:func:`text_recipe_for_folder`). The models themselves are :mod:`featbak
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -317,7 +318,10 @@ def text_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> Te
 
     ``max_length`` defaults to the smaller of the tokenizer's ``model_max_length`` and the
     model's ``max_position_embeddings`` (CLIP: 77, BERT: 512), so a long text is cut where the
-    model would fail; :data:`DEFAULT_MAX_TOKENS` when neither states one (T5).
+    model would fail; :data:`DEFAULT_MAX_TOKENS` when neither states one (T5). A
+    sentence-transformers folder's ``max_seq_length`` stands for the tokenizer's limit and its
+    ``do_lower_case`` sets ``lowercase``, as ``SentenceTransformer.encode`` tokenises
+    (:func:`sentence_pipeline`).
 
     Raises:
         EncoderLoadError: the folder has no tokenizer transformers can read.
@@ -335,11 +339,13 @@ def text_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> Te
     tokenizer = load_tokenizer(path)
     config = tower_config(read_config(path))
     positions = token_positions(config)
-    limits = [int(getattr(tokenizer, "model_max_length", 0) or 0), positions]
-    known = [n for n in limits if 0 < n < 1_000_000]  # transformers' "no limit" is 1e30
+    sentence = sentence_pipeline(path) or SentencePipeline()
+    stated = sentence.max_seq_length or int(getattr(tokenizer, "model_max_length", 0) or 0)
+    known = [n for n in (stated, positions) if 0 < n < 1_000_000]  # "no limit" is 1e30
     steps = TextRecipe(
         tokenizer=tokenizer_digest(path, tokenizer),
         max_length=min(known) if known else DEFAULT_MAX_TOKENS,
+        lowercase=sentence.do_lower_case,
         folder=str(path),
     )
     asked = changes.get("max_length")
@@ -434,3 +440,327 @@ def read_config(folder: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise EncoderLoadError(f"{folder}/config.json holds a JSON {type(config).__name__}")
     return config
+
+
+# == sentence-transformers folders =================================================================
+# What ``SentenceTransformer.save(folder)`` writes beside the transformer's own files:
+# ``modules.json`` names the modules run in turn (the transformer, a pooling, dense layers, a
+# normalisation), each in its folder (``1_Pooling/config.json``, ``2_Dense/config.json`` and its
+# weights), and ``sentence_bert_config.json`` the transformer's settings (``max_seq_length``,
+# ``do_lower_case`` as older releases write them). featbake reads them as sentence-transformers
+# does, so ``sentence_embedding`` is what ``SentenceTransformer.encode`` returns.
+ST_MODULES_FILE = "modules.json"
+#: The transformer's settings file, and the names older releases gave it, in the order
+#: sentence-transformers looks for them.
+ST_CONFIG_FILES = (
+    "sentence_bert_config.json", "sentence_roberta_config.json", "sentence_distilbert_config.json",
+    "sentence_camembert_config.json", "sentence_albert_config.json",
+    "sentence_xlm-roberta_config.json", "sentence_xlnet_config.json",
+)  # fmt: skip
+ST_MODEL_FILE = "config_sentence_transformers.json"
+#: The modules featbake runs, by class name (``modules.json`` spells them
+#: ``sentence_transformers.models.Pooling`` or ``sentence_transformers.<package>.pooling.Pooling``).
+ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+#: The ``pooling_mode_*`` flags of a pooling config, in the order sentence-transformers
+#: concatenates the modes they turn on.
+POOLING_FLAGS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+POOLING_MODES = frozenset(POOLING_FLAGS.values())
+#: Transformer settings whose other values change what the sentence embedding is made of (a
+#: task head, another output, tokenizer arguments), with the value featbake reproduces.
+ST_TRANSFORMER_DEFAULTS: dict[str, Any] = {
+    "transformer_task": "feature-extraction",
+    "module_output_name": "token_embeddings",
+    "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+    "processing_kwargs": {},
+}
+#: The embedding the pooling, dense and normalising modules read and write.
+ST_EMBEDDING_KEY = "sentence_embedding"
+
+
+class SentenceModuleUnsupported(ConfigError):
+    """A sentence-transformers folder holds a module or setting featbake does not reproduce, so
+    it gives no ``sentence_embedding`` (its tokens still build)."""
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """A ``Dense`` module: ``activation(linear(x))`` (plus ``x``, projected if its size
+    differs, with ``residual``).
+
+    Attributes:
+        folder: the module's folder in the model folder (its config and weights).
+        activation: the dotted name of a torch activation class (``torch.nn.Tanh``'s own).
+    """
+
+    folder: str
+    in_features: int
+    out_features: int
+    bias: bool = True
+    activation: str = "torch.nn.modules.activation.Tanh"
+    residual: bool = False
+
+
+@dataclass(frozen=True)
+class Normalizing:
+    """A ``Normalize`` module: the embedding divided by its L2 norm."""
+
+
+@dataclass(frozen=True)
+class SentencePipeline:
+    """What a sentence-transformers folder computes after its transformer, and its settings.
+
+    Attributes:
+        pooling: the pooling modes, in the order their vectors are concatenated.
+        after: the dense layers and normalisation applied to the pooled vector, in turn.
+        max_seq_length: tokens per text sentence-transformers keeps (None: the tokenizer's).
+        do_lower_case: sentence-transformers lowercases each text before its tokenizer.
+        refused: why featbake gives no ``sentence_embedding`` for the folder (one line), or None.
+    """
+
+    pooling: tuple[str, ...] = ("mean",)
+    after: tuple[DenseLayer | Normalizing, ...] = ()
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
+    refused: str | None = None
+
+
+def is_sentence_folder(folder: str | os.PathLike[str]) -> bool:
+    """A folder ``SentenceTransformer.save`` wrote (it holds ``modules.json``)."""
+    return (Path(folder) / ST_MODULES_FILE).is_file()
+
+
+def sentence_pipeline(folder: str | os.PathLike[str]) -> SentencePipeline | None:
+    """The folder's sentence-transformers modules and settings, None for another folder.
+
+    Never raises for what it cannot reproduce (an unknown module, a prompt, a broken file): the
+    reason is the pipeline's ``refused``, so the folder still gives its tokens.
+    """
+    path = Path(folder)
+    if not is_sentence_folder(path):
+        return None
+    settings = SentencePipeline()
+    try:
+        config, where = _transformer_config(path)
+        settings = _transformer_settings(config, where)
+        _refuse_other_transformer_settings(config, where)
+        _refuse_a_default_prompt(path)
+        return _modules_after_transformer(path, settings)
+    except (ConfigError, EncoderLoadError) as e:
+        return dataclasses.replace(settings, refused=first_line(e))
+
+
+def _transformer_config(folder: Path) -> tuple[dict[str, Any], Path]:
+    """The transformer's settings file ({} where it has none) and its path (for messages)."""
+    found = next((folder / n for n in ST_CONFIG_FILES if (folder / n).is_file()), None)
+    if found is None:
+        return {}, folder / ST_CONFIG_FILES[0]
+    return _settings_file(found) or {}, found
+
+
+def _transformer_settings(config: Mapping[str, Any], where: Path) -> SentencePipeline:
+    """``max_seq_length`` and ``do_lower_case`` of the transformer's settings (older releases
+    write them; newer ones keep the length in the tokenizer's ``model_max_length``).
+
+    Raises:
+        SentenceModuleUnsupported: ``max_seq_length`` is not a whole number.
+    """
+    length = config.get("max_seq_length")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int)):
+        raise SentenceModuleUnsupported(
+            f"{where}: max_seq_length must be a whole number of tokens, got {length!r}"
+        )
+    return SentencePipeline(
+        max_seq_length=length, do_lower_case=config.get("do_lower_case") is True
+    )
+
+
+def _refuse_other_transformer_settings(config: Mapping[str, Any], where: Path) -> None:
+    """Raise where a setting of :data:`ST_TRANSFORMER_DEFAULTS` has another value.
+
+    Raises:
+        SentenceModuleUnsupported: one line naming the file and the setting.
+    """
+    for key, default in ST_TRANSFORMER_DEFAULTS.items():
+        if config.get(key, default) not in (default, None):
+            raise SentenceModuleUnsupported(
+                f"{where} sets {key} to {config[key]!r}, which featbake does not reproduce for "
+                f"{ST_EMBEDDING_KEY!r}; ask for --output tokens"
+            )
+
+
+def _refuse_a_default_prompt(folder: Path) -> None:
+    """Raise where ``encode`` would prepend a prompt to every text or the folder is not a
+    sentence embedder (a sparse encoder, a cross-encoder): featbake encodes the text alone."""
+    model = _settings_file(folder / ST_MODEL_FILE) or {}
+    kind = model.get("model_type", "SentenceTransformer")
+    if kind != "SentenceTransformer":
+        raise SentenceModuleUnsupported(
+            f"{folder} is a sentence-transformers {kind}, not a SentenceTransformer; ask for "
+            "--output tokens"
+        )
+    if model.get("default_prompt_name"):
+        raise SentenceModuleUnsupported(
+            f"{folder / ST_MODEL_FILE} names the default prompt "
+            f"{model['default_prompt_name']!r}, which featbake does not prepend; set it to null "
+            "and give the prompt in the texts"
+        )
+
+
+def st_modules(folder: Path) -> list[dict[str, Any]]:
+    """``modules.json``'s entries (each with ``type`` and ``path``), in the order they run.
+
+    Raises:
+        EncoderLoadError: the file cannot be read or is not a list of such entries.
+    """
+    where = folder / ST_MODULES_FILE
+    try:
+        entries = json.loads(where.read_text())
+    except (OSError, ValueError) as e:
+        raise EncoderLoadError(f"cannot read {where}: {e}") from e
+    good = isinstance(entries, list) and all(
+        isinstance(e, dict) and isinstance(e.get("type"), str) for e in entries
+    )
+    if not good or not entries:
+        raise EncoderLoadError(
+            f"{where} is not a list of modules with their type; save the model again "
+            "(SentenceTransformer.save)"
+        )
+    return entries
+
+
+def st_module_name(entry: Mapping[str, Any]) -> str | None:
+    """The module's class name where featbake runs it (:data:`ST_MODULES`), else None."""
+    kind = str(entry["type"])
+    name = kind.rsplit(".", 1)[-1]
+    return name if kind.startswith("sentence_transformers.") and name in ST_MODULES else None
+
+
+def transformer_subfolder(folder: str | os.PathLike[str]) -> str | None:
+    """The subfolder of a sentence-transformers folder its transformer is saved in
+    (``0_Transformer``, as releases before 3 wrote it), None where it is at the top or the
+    folder is no such folder."""
+    path = Path(folder)
+    if not is_sentence_folder(path):
+        return None
+    try:
+        first = st_modules(path)[0]
+    except EncoderLoadError:
+        return None
+    sub = str(first.get("path") or "")
+    return sub if st_module_name(first) == "Transformer" and sub not in ("", ".") else None
+
+
+def _modules_after_transformer(folder: Path, settings: SentencePipeline) -> SentencePipeline:
+    """``settings`` with the pooling, dense and normalising modules ``modules.json`` lists.
+
+    Raises:
+        SentenceModuleUnsupported: a module featbake does not run, or not in the order it runs
+            them (the transformer at the folder's top, one pooling, then dense and normalise).
+    """
+    entries = st_modules(folder)
+    names = [st_module_name(e) for e in entries]
+    for entry, name in zip(entries, names, strict=True):
+        if name is None:
+            raise SentenceModuleUnsupported(
+                f"{folder / ST_MODULES_FILE} lists the module {entry['type']}, which featbake "
+                f"does not run, so it gives no {ST_EMBEDDING_KEY!r}; ask for --output tokens"
+            )
+    sub = transformer_subfolder(folder)
+    after_pooling = all(n in ("Dense", "Normalize") for n in names[2:])
+    if names[:2] != ["Transformer", "Pooling"] or sub is not None or not after_pooling:
+        raise SentenceModuleUnsupported(
+            f"{folder / ST_MODULES_FILE} runs {' -> '.join(map(str, names))}; featbake computes "
+            f"{ST_EMBEDDING_KEY!r} for a transformer at the folder's top, one pooling, then dense "
+            "and normalise modules; ask for --output tokens"
+        )
+    pooling = pooling_modes(_module_config(folder, entries[1]))
+    after = tuple(_after_pooling(folder, e) for e in entries[2:])
+    return dataclasses.replace(settings, pooling=pooling, after=after)
+
+
+def _module_config(folder: Path, entry: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` in a module's folder ({} where it has none)."""
+    return _settings_file(folder / str(entry.get("path") or "") / "config.json") or {}
+
+
+def pooling_modes(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """A pooling config's modes in concatenation order: its ``pooling_mode`` (one or a list, as
+    sentence-transformers 5.4 and later write it), else its ``pooling_mode_*`` flags in
+    :data:`POOLING_FLAGS`' order; ``mean`` where none is set, as sentence-transformers does.
+
+    Example:
+        >>> pooling_modes({"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True})
+        ('cls', 'mean')
+    """
+    mode = config.get("pooling_mode")
+    if mode is None:
+        flagged = tuple(m for flag, m in POOLING_FLAGS.items() if config.get(flag) is True)
+        return flagged or ("mean",)
+    modes = (mode,) if isinstance(mode, str) else tuple(mode) if isinstance(mode, list) else ()
+    unknown = [m for m in modes if m not in POOLING_MODES]
+    if unknown or not modes:
+        raise SentenceModuleUnsupported(
+            f"pooling_mode {mode!r} is none of {', '.join(sorted(POOLING_MODES))}; ask for "
+            "--output tokens"
+        )
+    return modes
+
+
+def _after_pooling(folder: Path, entry: Mapping[str, Any]) -> DenseLayer | Normalizing:
+    """A dense or normalising module, which must read and write the sentence embedding.
+
+    Raises:
+        SentenceModuleUnsupported: it reads or writes another feature (the token embeddings).
+    """
+    config = _module_config(folder, entry)
+    for key in ("module_input_name", "module_output_name"):
+        if config.get(key, ST_EMBEDDING_KEY) not in (ST_EMBEDDING_KEY, None):
+            raise SentenceModuleUnsupported(
+                f"{folder / str(entry['path'])} works on {config[key]!r}, not on "
+                f"{ST_EMBEDDING_KEY!r}; featbake does not reproduce it: ask for --output tokens"
+            )
+    if st_module_name(entry) == "Normalize":
+        return Normalizing()
+    try:
+        return DenseLayer(
+            folder=str(entry["path"]),
+            in_features=int(config["in_features"]),
+            out_features=int(config["out_features"]),
+            bias=bool(config.get("bias", True)),
+            activation=str(config.get("activation_function") or DenseLayer.activation),
+            residual=bool(config.get("use_residual", False)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise SentenceModuleUnsupported(
+            f"{folder / str(entry.get('path'))}/config.json lacks a whole {e} for its Dense "
+            "layer; save the model again (SentenceTransformer.save)"
+        ) from e
+
+
+def sentence_files_digest(folder: str | os.PathLike[str]) -> str | None:
+    """SHA-256 over the sentence-transformers files of a folder (name and bytes): modules.json,
+    the transformer's settings and every file in each other module's folder (a pooling's
+    config, a dense layer's config and weights), so another pooling mode or other dense weights
+    give other keys; None for a folder without modules.json."""
+    path = Path(folder)
+    if not is_sentence_folder(path):
+        return None
+    names = [ST_MODULES_FILE, *ST_CONFIG_FILES]
+    files = {n: sha256_file(path / n) for n in names if (path / n).is_file()}
+    try:
+        entries = st_modules(path)
+    except EncoderLoadError:
+        entries = []  # its refusal says why; the file itself is hashed above
+    for entry in entries:
+        sub = (path / str(entry.get("path") or "")).resolve()
+        if path.resolve() in sub.parents and sub.is_dir():
+            for f in sorted(p for p in sub.rglob("*") if p.is_file()):
+                files[f.relative_to(path.resolve()).as_posix()] = sha256_file(f)
+    return sha256_hex(canonical_json(files))

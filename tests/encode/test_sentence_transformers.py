@@ -1,0 +1,301 @@
+"""sentence-transformers folders: ``sentence_embedding`` as ``SentenceTransformer.encode`` gives it.
+
+Each folder is a tiny BERT built from a config (no download), wrapped in sentence-transformers'
+own modules (Transformer, Pooling, Dense, Normalize) and written by ``SentenceTransformer.save``.
+The reference is sentence-transformers itself: the folder loaded by ``SentenceTransformer`` and
+``encode`` run now on each text, with no featbake code between them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from featbake.bake.pipeline import build
+from featbake.encode.hf import SENTENCE_EMBEDDING
+from featbake.encode.loaders import load_encoder
+from featbake.errors import ConfigError, EncoderLoadError
+from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
+from tests.conftest import run_cli
+from tests.encode.test_text import TEXTS, save_bert
+
+transformers = pytest.importorskip("transformers")
+st = pytest.importorskip("sentence_transformers")
+modules = pytest.importorskip("sentence_transformers.sentence_transformer.modules")
+
+#: Absolute difference allowed against sentence-transformers' own embedding (fp32).
+ATOL = 1e-5
+#: Longer than the BERT's 64 positions: cut by both at the same token.
+LONG_TEXT = " ".join(["the small dog sat on the big red mat"] * 9)
+HIDDEN = 32  # save_bert's hidden size
+
+
+def save_sentence_model(
+    folder: Path,
+    bert: Path,
+    pooling: str | tuple[str, ...] = "mean",
+    *,
+    dense: int | None = None,
+    normalize: bool = True,
+    seed: int = 5,
+) -> Path:
+    """``SentenceTransformer(modules=[Transformer, Pooling, (Dense), (Normalize)]).save``."""
+    modes = (pooling,) if isinstance(pooling, str) else pooling
+    parts: list[Any] = [
+        modules.Transformer(str(bert)),
+        modules.Pooling(HIDDEN, pooling_mode=pooling),
+    ]
+    if dense is not None:
+        torch.manual_seed(seed)
+        parts.append(modules.Dense(HIDDEN * len(modes), dense, activation_function=torch.nn.Tanh()))
+    if normalize:
+        parts.append(modules.Normalize())
+    st.SentenceTransformer(modules=parts, device="cpu").save(str(folder))
+    return folder
+
+
+def write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2))
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_bert(tmp_path_factory.mktemp("st-bert") / "bert")
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("st-texts")
+    for i, text in enumerate(TEXTS):
+        (root / f"text{i}.txt").write_text(text, encoding="utf-8")
+    (root / "long.txt").write_text(LONG_TEXT, encoding="utf-8")
+    return root
+
+
+def sentence_transformers_now(folder: Path, texts: list[str]) -> torch.Tensor:
+    """The folder loaded by sentence-transformers and ``encode`` run now."""
+    model = st.SentenceTransformer(str(folder), device="cpu")
+    return model.encode(texts, convert_to_tensor=True, batch_size=2)
+
+
+def built_and_served(folder: Path, texts: Path, store: Path) -> CachedFeatureDataset:
+    """``build`` into ``store`` (padded batches), then the store served, every item a hit."""
+    report = build(texts, folder, cache=store, batching="padded", batch_size=4)
+    assert report.encoded == len(TEXTS) + 1 and not report.failed
+    return CachedFeatureDataset(texts, encoder=folder, cache=store, source="text", on_miss="error")
+
+
+def assert_sentence_embeddings_equal(ds: CachedFeatureDataset, folder: Path) -> None:
+    """Each served ``sentence_embedding`` equals ``SentenceTransformer.encode`` of its text."""
+    said = [Path(ds.path(i)).read_text(encoding="utf-8") for i in range(len(ds))]
+    want = sentence_transformers_now(folder, said)
+    for i in range(len(ds)):
+        got = ds[i]
+        assert set(got) >= {"tokens", SENTENCE_EMBEDDING}, said[i]
+        assert got[SENTENCE_EMBEDDING].shape == want[i].shape, said[i]
+        torch.testing.assert_close(got[SENTENCE_EMBEDDING], want[i], atol=ATOL, rtol=0)
+
+
+# == served == sentence-transformers' encode =====================================================
+def test_mean_pooling_and_normalize_equal_sentence_transformers(
+    bert: Path, texts: Path, tmp_path: Path
+) -> None:
+    folder = save_sentence_model(tmp_path / "minilm-like", bert, "mean")
+    ds = built_and_served(folder, texts, tmp_path / "store")
+    assert_sentence_embeddings_equal(ds, folder)
+    norms = torch.stack([ds[i][SENTENCE_EMBEDDING] for i in range(len(ds))]).norm(dim=-1)
+    torch.testing.assert_close(norms, torch.ones_like(norms))
+    assert "pooled" in ds[0]  # BERT's pooler output is kept beside it
+
+
+def legacy_layout(folder: Path, *modes: str) -> None:
+    """Rewrite the folder as releases before 5 wrote it: a flag per pooling mode, and module
+    types named ``sentence_transformers.models.Pooling``."""
+    flags = {
+        "cls": "pooling_mode_cls_token",
+        "max": "pooling_mode_max_tokens",
+        "mean": "pooling_mode_mean_tokens",
+    }
+    config = {"word_embedding_dimension": HIDDEN, **{f: m in modes for m, f in flags.items()}}
+    write_json(folder / "1_Pooling" / "config.json", config)
+    entries = json.loads((folder / "modules.json").read_text())
+    for entry in entries:
+        entry["type"] = "sentence_transformers.models." + entry["type"].rsplit(".", 1)[-1]
+    write_json(folder / "modules.json", entries)
+
+
+@pytest.mark.parametrize(
+    ("layout", "modes"),
+    [
+        ("pooling_mode", ("cls", "max")),
+        ("flags", ("cls", "max")),
+        ("pooling_mode", ("lasttoken", "weightedmean", "mean_sqrt_len_tokens")),
+    ],
+)
+def test_concatenated_pooling_modes_equal_sentence_transformers(
+    layout: str, modes: tuple[str, ...], bert: Path, texts: Path, tmp_path: Path
+) -> None:
+    folder = save_sentence_model(tmp_path / "modes", bert, modes, normalize=False)
+    if layout == "flags":
+        legacy_layout(folder, *modes)
+    ds = built_and_served(folder, texts, tmp_path / "store")
+    assert ds[0][SENTENCE_EMBEDDING].shape == (len(modes) * HIDDEN,)
+    assert_sentence_embeddings_equal(ds, folder)
+
+
+def test_a_dense_layer_with_tanh_equals_sentence_transformers(
+    bert: Path, texts: Path, tmp_path: Path
+) -> None:
+    folder = save_sentence_model(tmp_path / "dense", bert, ("mean", "max"), dense=16)
+    config = json.loads((folder / "2_Dense" / "config.json").read_text())
+    assert config["activation_function"] == "torch.nn.modules.activation.Tanh"
+    ds = built_and_served(folder, texts, tmp_path / "store")
+    assert ds[0][SENTENCE_EMBEDDING].shape == (16,)
+    assert_sentence_embeddings_equal(ds, folder)
+
+
+def test_a_text_past_max_seq_length_is_cut_as_sentence_transformers_cuts_it(
+    bert: Path, texts: Path, tmp_path: Path
+) -> None:
+    """``max_seq_length`` in sentence_bert_config.json (as releases before 5 wrote it) is the
+    recipe's default ``max_length``: every text of more than 8 tokens is cut there."""
+    folder = save_sentence_model(tmp_path / "short", bert, "mean")
+    write_json(folder / "sentence_bert_config.json", {"max_seq_length": 8, "do_lower_case": False})
+    ds = built_and_served(folder, texts, tmp_path / "store")
+    assert ds.recipe.text is not None and ds.recipe.text.max_length == 8
+    assert max(ds[i]["tokens"].shape[0] for i in range(len(ds))) == 8
+    assert_sentence_embeddings_equal(ds, folder)
+
+
+def save_cased_bert(folder: Path) -> Path:
+    """:func:`save_bert` with a cased tokenizer: its vocabulary is lowercase words, so "The"
+    is an unknown token unless the text is lowercased first."""
+    save_bert(folder)
+    vocab = folder.parent / f"{folder.name}-vocab" / "vocab.txt"
+    transformers.BertTokenizer(str(vocab), do_lower_case=False).save_pretrained(folder)
+    return folder
+
+
+def test_do_lower_case_lowercases_as_sentence_transformers(texts: Path, tmp_path: Path) -> None:
+    cased = save_cased_bert(tmp_path / "cased-bert")
+    folder = save_sentence_model(tmp_path / "lower", cased, "mean")
+    write_json(folder / "sentence_bert_config.json", {"max_seq_length": 64, "do_lower_case": True})
+    ds = built_and_served(folder, texts, tmp_path / "store")
+    assert ds.recipe.text is not None and ds.recipe.text.lowercase
+    assert_sentence_embeddings_equal(ds, folder)
+    # Without it, "The cat sat on the mat." starts with an unknown token: another embedding.
+    write_json(folder / "sentence_bert_config.json", {"max_seq_length": 64})
+    first = TEXTS[0]
+    assert not torch.allclose(
+        sentence_transformers_now(folder, [first])[0], ds[0][SENTENCE_EMBEDDING], atol=1e-3
+    )
+
+
+def test_cli_builds_sentence_embedding_alone(bert: Path, texts: Path, tmp_path: Path) -> None:
+    folder = save_sentence_model(tmp_path / "cli", bert, "mean", dense=8)
+    store = tmp_path / "store"
+    result = run_cli(
+        "build", "--encoder", folder, "--data", texts, "--cache", store, "--source", "text",
+        "--output", SENTENCE_EMBEDDING, "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["encoded"] == len(TEXTS) + 1
+    ds = CachedFeatureDataset(
+        texts, encoder=folder, cache=store, on_miss="error",
+        recipe=Recipe(source="text", output=SENTENCE_EMBEDDING),
+    )  # fmt: skip
+    said = [Path(ds.path(i)).read_text(encoding="utf-8") for i in range(len(ds))]
+    want = sentence_transformers_now(folder, said)
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], want[i], atol=ATOL, rtol=0)
+
+
+# == keys ==========================================================================================
+def test_another_pooling_mode_or_dense_weights_give_other_keys(
+    bert: Path, texts: Path, tmp_path: Path
+) -> None:
+    """The pooling config rewritten in place between two builds: the second misses every text
+    and stores what sentence-transformers gives now. Dense weights of another seed give
+    another fingerprint too."""
+    folder = save_sentence_model(tmp_path / "pooling", bert, "mean")
+    store = tmp_path / "store"
+    built_and_served(folder, texts, store)
+    config = json.loads((folder / "1_Pooling" / "config.json").read_text())
+    write_json(folder / "1_Pooling" / "config.json", {**config, "pooling_mode": "cls"})
+    ds = built_and_served(folder, texts, store)  # other keys: every text encoded again
+    assert_sentence_embeddings_equal(ds, folder)
+
+    one = save_sentence_model(tmp_path / "dense-a", bert, "mean", dense=8, seed=1)
+    other = save_sentence_model(tmp_path / "dense-b", bert, "mean", dense=8, seed=2)
+    before = load_encoder(one).fingerprint
+    weights = "2_Dense/model.safetensors"
+    (one / weights).write_bytes((other / weights).read_bytes())  # the same folder, other weights
+    assert load_encoder(one).fingerprint != before
+
+
+# == what featbake does not run ====================================================================
+def add_custom_module(folder: Path, kind: str) -> None:
+    entries = json.loads((folder / "modules.json").read_text())
+    path = f"{len(entries)}_Custom"
+    (folder / path).mkdir()
+    entries.append({"idx": len(entries), "name": str(len(entries)), "path": path, "type": kind})
+    write_json(folder / "modules.json", entries)
+
+
+@pytest.mark.parametrize(
+    "kind", ["modeling_custom.CustomHead", "sentence_transformers.models.StaticEmbedding"]
+)
+def test_an_unknown_module_refuses_sentence_embedding_and_tokens_build(
+    kind: str, bert: Path, texts: Path, tmp_path: Path
+) -> None:
+    folder = save_sentence_model(tmp_path / "custom", bert, "mean")
+    add_custom_module(folder, kind)
+    asked = Recipe(source="text", output=SENTENCE_EMBEDDING)
+    with pytest.raises(ConfigError) as refused:
+        build(texts, folder, cache=tmp_path / "store", recipe=asked)
+    message = str(refused.value)
+    assert kind in message and "\n" not in message and "--output tokens" in message
+    report = build(texts, folder, cache=tmp_path / "store")
+    assert report.encoded == len(TEXTS) + 1 and not report.failed
+    ds = CachedFeatureDataset(
+        texts, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
+    )
+    assert SENTENCE_EMBEDDING not in ds[0] and ds[0]["tokens"].shape[-1] == HIDDEN
+
+
+def test_an_activation_that_is_no_torch_module_is_refused_in_one_line(
+    bert: Path, texts: Path, tmp_path: Path
+) -> None:
+    folder = save_sentence_model(tmp_path / "act", bert, "mean", dense=8)
+    config = json.loads((folder / "2_Dense" / "config.json").read_text())
+    write_json(folder / "2_Dense" / "config.json", {**config, "activation_function": "os.system"})
+    with pytest.raises(ConfigError, match=r"os\.system") as refused:
+        build(texts, folder, cache=tmp_path / "store", recipe=Recipe(output=SENTENCE_EMBEDDING))
+    assert "\n" not in str(refused.value)
+
+
+def test_a_transformer_in_a_subfolder_is_refused_saying_what_to_do(
+    bert: Path, texts: Path, tmp_path: Path
+) -> None:
+    """The layout of releases before 3: the transformer's files in ``0_Transformer/``."""
+    folder = save_sentence_model(tmp_path / "old", bert, "mean")
+    (folder / "0_Transformer").mkdir()
+    top = {"modules.json", "1_Pooling", "2_Normalize", "README.md"}
+    top |= {"config_sentence_transformers.json"}
+    for entry in list(folder.iterdir()):
+        if entry.name not in top and entry.name != "0_Transformer":
+            entry.rename(folder / "0_Transformer" / entry.name)
+    entries = json.loads((folder / "modules.json").read_text())
+    entries[0]["path"] = "0_Transformer"
+    write_json(folder / "modules.json", entries)
+    want = sentence_transformers_now(folder, [TEXTS[0]])  # sentence-transformers loads it
+    assert want.shape == (1, HIDDEN)
+    with pytest.raises(EncoderLoadError, match="0_Transformer") as refused:
+        build(texts, folder, cache=tmp_path / "store", recipe=Recipe(source="text"))
+    assert "SentenceTransformer(folder).save" in str(refused.value)
+    assert "\n" not in str(refused.value)
