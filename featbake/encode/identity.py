@@ -22,6 +22,7 @@ import inspect
 import itertools
 import json
 import logging
+import multiprocessing
 import os
 import sys
 import sysconfig
@@ -711,7 +712,7 @@ class HeldReading:
         for g in global_names(code):
             value = found.get(g, _ABSENT)
             if value is not _ABSENT and g not in kept:
-                text = self._global(g, value, code, depth)
+                text = self._global(g, value, code, depth, found)
                 rows += [] if text is None else [f"global {g}={text}"]
         reached: dict[str, Any] = {}
         wholes: dict[str, Any] = {}
@@ -731,7 +732,7 @@ class HeldReading:
         for what in sorted(refusals | ({IMPORTED_AT_RUN_TIME} if importers else set())):
             rows.append(self._refuse(code.co_name, what))
         for name, value in sorted(reached.items()):
-            text = self._global(name, value, code, depth)
+            text = self._global(name, value, code, depth, found)
             rows += [] if text is None else [f"global {name}={text}"]
         for name, module in sorted(wholes.items()):
             rows.append(f"global {name}={self._module_whole(module, name, depth)}")
@@ -787,7 +788,9 @@ class HeldReading:
         rows += [f"{n}={self._module_whole(m, n, depth)}" for n, m in sorted(wholes.items())]
         return f"module({','.join(rows)})"
 
-    def _global(self, name: str, value: Any, code: Any, depth: int) -> str | None:
+    def _global(
+        self, name: str, value: Any, code: Any, depth: int, where: Mapping[str, Any] | None = None
+    ) -> str | None:
         """A global the code reads under ``name`` (dotted where reached through a module or
         class), as a key reads it, or None where it is code (read by the code rule):
         ``os.environ`` (or ``os.getenv``) read only by constant names by those variables
@@ -798,18 +801,22 @@ class HeldReading:
         the user's own code it calls (:func:`followed_helper`: a function, a partial or bound
         method of one, a callable object of the user's class) as a held one is read, its own
         globals in turn, so a setting a helper reads is keyed as one the hook reads (recursion
-        reads as ``<cycle>``, a chain past :data:`HELD_DEPTH` is refused). A tensor or module
-        met inside what a global holds is keyed as a global one (:meth:`_weights`)."""
+        reads as ``<cycle>``, a chain past :data:`HELD_DEPTH` is refused); a library function
+        bound otherwise than its file binds it (:func:`library_bound_anew`; ``where``: the
+        globals of the code reading it). A tensor or module met inside what a global holds is
+        keyed as a global one (:meth:`_weights`)."""
         fresh = self.forward and not self._in_global
         counted, self._count = self._count, 0 if fresh else self._count
         self._in_global += 1
         try:
-            return self._global_value(name, value, code, depth)
+            return self._global_value(name, value, code, depth, where)
         finally:
             self._in_global -= 1
             self._count = counted if fresh else self._count
 
-    def _global_value(self, name: str, value: Any, code: Any, depth: int) -> str | None:
+    def _global_value(
+        self, name: str, value: Any, code: Any, depth: int, where: Mapping[str, Any] | None
+    ) -> str | None:
         """:meth:`_global`, inside the count of globals being read."""
         if value is os.environ or value is os.getenv:
             how = Read.BY_KEY if value is os.environ else Read.BY_ARGUMENT
@@ -830,7 +837,7 @@ class HeldReading:
             return self.text(value, name, depth)  # model.forward: the module by its state
         helper = followed_helper(value)
         if helper is None:
-            return library_bound_anew(name, value, code)
+            return library_bound_anew(name, value, where)
         if isinstance(helper, (types.FunctionType, functools.partial, types.MethodType)):
             return self.text(helper, name, depth)
         runs = unwrapped(_runs(helper))  # a callable object: its __call__'s code, what it holds
@@ -1067,11 +1074,21 @@ def class_data_names(cls: type, func: Any) -> tuple[str, ...]:
     )
 
 
-def class_layout(cls: type) -> tuple[int, ...]:
-    """How many names each class in ``cls``'s MRO holds: what changes where a class gains a
-    name or loses one (``Cls.K = 3.0`` set where it had none, ``del Cls.K``), read in a few
-    hundred nanoseconds at each forward."""
-    return tuple(len(vars(klass)) for klass in cls.__mro__)
+def class_layout(cls: type) -> tuple[Any, ...]:
+    """The names each class of the user's in ``cls``'s MRO holds, and how many each library
+    class holds: what changes where a class gains a name or loses one (``Cls.K = 3.0`` set
+    where it had none, ``del Cls.K``, both at once), read in about a microsecond at each
+    forward (a user's class holds a few dozen names; ``nn.Module`` a hundred, counted)."""
+    own = _OWN_IN_MRO.get(cls)
+    if own is None:
+        own = _OWN_IN_MRO[cls] = tuple(not is_library_code(k) for k in cls.__mro__)
+    return tuple(
+        tuple(vars(k)) if mine else len(vars(k)) for k, mine in zip(cls.__mro__, own, strict=True)
+    )
+
+
+#: class -> which classes of its MRO are the user's (class_layout's).
+_OWN_IN_MRO: weakref.WeakKeyDictionary[type, tuple[bool, ...]] = weakref.WeakKeyDictionary()
 
 
 #: class_data_names's, by code object and class (:func:`kept_per_object`).
@@ -1092,39 +1109,53 @@ def _loaded_names(func: Any, cls: type) -> list[str]:
     ``getattr(self, "K", 1.0)`` or ``hasattr(self, "K")`` asks by a constant."""
     loads = (op for code in reached_code(func.__code__, cls) for op in dis.get_instructions(code))
     names = {str(op.argval) for op in loads if op.opname in _METHOD_LOADS}
-    return sorted(names.union(names_asked(func, cls)))
+    return sorted(names.union(names_asked(func, cls), helpers_attribute_names(func)))
 
 
 @dataclass(frozen=True, eq=False)
 class LaterRead:
     """A ``(class, function)`` pair of a module's forward that reads no setting now but may
-    later (:func:`later_read`), and what a watch glances at for it at each forward, in a few
-    hundred nanoseconds where a reading costs about 0.1 ms: the class's layout where the
-    code asks a name by ``getattr(self, "K", 1.0)`` the class may gain
-    (:func:`names_asked`), and the objects the globals bound to library functions hold (a
-    script may bind ``models.ACT = torch.tanh``: :func:`library_bound_anew`)."""
+    later (:func:`later_read`), and what a watch glances at for it at each forward, in about
+    a microsecond where a reading costs about 0.1 ms: the class's layout where the code asks
+    a name by ``getattr(self, "K", 1.0)`` the class may gain (:func:`names_asked`), and the
+    objects the globals bound to library functions hold, directly or through the user's
+    modules (a script may bind ``models.ACT = torch.tanh`` or ``ops.gelu = torch.tanh``:
+    :func:`library_bound_anew`)."""
 
     cls: type
     func: Any
     asks: bool
-    functions: tuple[str, ...]
+    functions: tuple[tuple[str, ...], ...]  # each a global and the attributes after it
 
     def now(self) -> tuple[Any, ...]:
         """What the glance compares: the layout, and the functions bound (held, by
         identity)."""
         found = self.func.__globals__
         layout = class_layout(self.cls) if self.asks else ()
-        return (layout, tuple(found.get(g) for g in self.functions))
+        return (layout, tuple(_looked_up(found, path) for path in self.functions))
+
+
+def _looked_up(found: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    """The object at ``path`` (a global, then attributes) in the globals ``found``."""
+    value = found.get(path[0])
+    for part in path[1:]:
+        value = getattr(value, part, None)
+    return value
 
 
 def later_read(cls: type, func: Any) -> LaterRead | None:
     """The :class:`LaterRead` of ``func`` (a forward of ``cls``, or a method it runs), or
     None where it may read no setting later."""
     found = func.__globals__
+    paths: list[tuple[str, ...]] = [(g,) for g in global_names(func.__code__)]
+    for g, chain in attribute_chains(func.__code__):
+        if g in found and leads_on(found[g], chain[0]):
+            name = reached_attribute(g, found[g], chain)[0]
+            paths.append(tuple(name.split(".")))
     functions = tuple(
-        g
-        for g in global_names(func.__code__)
-        if callable(v := found.get(g)) and not isinstance(v, (type, types.ModuleType))
+        p
+        for p in dict.fromkeys(paths)
+        if callable(v := _looked_up(found, p)) and not isinstance(v, (type, types.ModuleType))
     )
     asks = bool(names_asked(func, cls))
     return LaterRead(cls, func, asks, functions) if asks or functions else None
@@ -1267,32 +1298,77 @@ def followed_helper(value: Any) -> Any:
     return value if inspect.isfunction(runs) and followed_helper(runs) is not None else None
 
 
-def library_bound_anew(name: str, value: Any, code: Any) -> str | None:
+def library_bound_anew(name: str, value: Any, where: Mapping[str, Any] | None) -> str | None:
     """A library's function a global binds otherwise than its source says (``models.ACT =
     torch.tanh`` set by a script where the file says ``ACT = torch.sigmoid``), by its module
     and qualified name, or None (read by the code rule, as before): which library function
-    runs is a setting there, bound anew with no code of the module changed. One bound as the
-    file of ``code`` binds it at its top level (``from json import dumps as json_dumps``,
-    ``ACT = torch.sigmoid``: :func:`bound_in_source`), or under its own name, is the code's
-    own choice, keyed by the file's source; a dotted name reached through a module of the
-    user's (``utils.ACT``) is read where its name differs from the function's. Modules
+    runs is a setting there, bound anew with no code of the module changed. One that is the
+    very object the file's one top-level binding of it gives (``from torch.fft import rfft``,
+    ``ACT = torch.sigmoid``, ``act = getattr(F, "gelu")``: :func:`statically_bound`) is the
+    code's own choice, keyed by the file's source; ``where``: the globals of the code reading
+    ``name`` (a dotted ``ops.act`` is looked up in module ``ops``'s file). A name bound in
+    two places (``if`` and ``else``), or where no file is read, is a setting, keyed. Modules
     (``import numpy as np``) and classes are code."""
-    own = getattr(value, "__name__", None)
     if isinstance(value, (type, types.ModuleType)) or not callable(value):
         return None
-    if not isinstance(own, str) or own == name.rpartition(".")[2]:
+    if getattr(value, "__name__", None) is None or _as_the_file_binds(name, value, where):
         return None
-    if "." not in name and own in bound_in_source(code.co_filename).get(name, ()):
-        return None
-    qualname = getattr(value, "__qualname__", own)
+    qualname = getattr(value, "__qualname__", value.__name__)
     return f"<{getattr(value, '__module__', None) or ''}.{qualname}>"
 
 
-def bound_in_source(filename: str) -> Mapping[str, frozenset[str]]:
+def _as_the_file_binds(name: str, value: Any, where: Mapping[str, Any] | None) -> bool:
+    """Whether global ``name`` (dotted: through the user's modules) of the globals ``where``
+    holds the object its module's file binds it to (:func:`statically_bound`)."""
+    if where is None:
+        return False
+    *path, last = name.split(".")
+    scope: Any = where
+    for part in path:  # ops.act: the module ops's own globals
+        held = scope.get(part) if isinstance(scope, Mapping) else None
+        if not isinstance(held, types.ModuleType):
+            return False
+        scope = vars(held)
+    filename = scope.get("__file__")
+    if not isinstance(filename, str):
+        return False
+    return statically_bound(filename, last, scope) is value
+
+
+def statically_bound(filename: str, name: str, scope: Mapping[str, Any]) -> Any:
+    """The object the one top-level binding of ``name`` in ``filename`` gives, resolved in
+    the module's globals ``scope`` (``from torch.fft import rfft``: torch.fft's ``rfft``;
+    ``ACT = torch.sigmoid``: ``scope["torch"].sigmoid``; ``ACT = getattr(torch, "tanh")``),
+    or ``_ABSENT`` where the file binds it otherwise (in two places, by a call, a tuple) or
+    is not read. Only modules' attributes are read: no code runs."""
+    bound = bound_in_source(filename).get(name, ())
+    if len(bound) != 1 or not bound[0][1]:  # bound twice, or by no dotted name
+        return _ABSENT
+    module, chain = bound[0]
+    if module is not None:
+        package = scope.get("__package__") or ""
+        try:
+            found: Any = sys.modules.get(importlib.util.resolve_name(module, package))
+        except (ImportError, ValueError):
+            return _ABSENT
+    else:
+        found = scope.get(chain[0], _ABSENT)
+        chain = chain[1:]
+    for part in chain:
+        if not isinstance(found, types.ModuleType) and not inspect.isclass(found):
+            return _ABSENT
+        found = namespace_attribute(found, part)
+    return found
+
+
+def bound_in_source(filename: str) -> Mapping[str, tuple[tuple[str | None, tuple[str, ...]], ...]]:
     """Each name the file's top level (``if`` and ``try`` blocks too) binds by an import
-    or an assignment of a name or attribute, with the names those bind it to: ``from json
-    import dumps as json_dumps`` gives ``json_dumps: {dumps}``, ``ACT = torch.sigmoid``
-    gives ``ACT: {sigmoid}``. Empty for a file not read (none, or no Python). Kept per file.
+    from a module or an assignment of a dotted name (or ``getattr`` of one by a constant),
+    with what each binding reads: ``(module, (name,))`` for ``from module import name``
+    (``module`` with its leading dots, relative), ``(None, ("torch", "sigmoid"))`` for ``ACT =
+    torch.sigmoid``; a binding by anything else (a call, a tuple, a conditional) as ``(None,
+    ())``, which resolves to nothing. Empty for a file not read (none, or no Python). Kept
+    per file.
 
     Example:
         >>> bound_in_source("<stdin>")
@@ -1304,16 +1380,16 @@ def bound_in_source(filename: str) -> Mapping[str, frozenset[str]]:
             tree = ast.parse(Path(filename).read_bytes())
         except (OSError, SyntaxError, ValueError):
             tree = ast.Module(body=[], type_ignores=[])
-        bound: dict[str, set[str]] = {}
+        bound: dict[str, list[tuple[str | None, tuple[str, ...]]]] = {}
         for node in _top_level(tree.body):
             for target, source in _bindings(node):
-                bound.setdefault(target, set()).add(source)
-        kept = _BOUND[filename] = {k: frozenset(v) for k, v in bound.items()}
+                bound.setdefault(target, []).append(source)
+        kept = _BOUND[filename] = {k: tuple(v) for k, v in bound.items()}
     return kept
 
 
 #: bound_in_source's, by file name.
-_BOUND: dict[str, dict[str, frozenset[str]]] = {}
+_BOUND: dict[str, dict[str, tuple[tuple[str | None, tuple[str, ...]], ...]]] = {}
 
 
 def _top_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
@@ -1327,17 +1403,38 @@ def _top_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
             yield from _top_level(nested)
 
 
-def _bindings(node: ast.stmt) -> list[tuple[str, str]]:
-    """``(name bound, name it is bound to)`` for a statement binding names by an import
-    from a module or an assignment of a name or attribute (``ACT = torch.sigmoid``)."""
+def _bindings(node: ast.stmt) -> list[tuple[str, tuple[str | None, tuple[str, ...]]]]:
+    """``(name bound, what it reads)`` for each name a statement binds (:func:`bound_in_source`)."""
     if isinstance(node, ast.ImportFrom):
-        return [(a.asname or a.name, a.name) for a in node.names]
-    if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
-        value = node.value
-        source = value.attr if isinstance(value, ast.Attribute) else getattr(value, "id", None)
+        module = "." * node.level + (node.module or "")
+        return [(a.asname or a.name, (module, (a.name,))) for a in node.names]
+    if isinstance(node, ast.Import):
+        return [(a.asname or a.name.partition(".")[0], (None, ())) for a in node.names]
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [(node.name, (None, ()))]
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        return [(t.id, source) for t in targets if isinstance(t, ast.Name) and source]
+        names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        single = len(targets) == 1 and isinstance(targets[0], ast.Name)
+        read = _dotted(node.value) if single and not isinstance(node, ast.AugAssign) else ()
+        return [(n, (None, read)) for n in names]
     return []
+
+
+def _dotted(value: ast.expr) -> tuple[str, ...]:
+    """``a.b.c`` (or ``getattr(a.b, "c")``) as ``("a", "b", "c")``; ``()`` for anything else."""
+    if isinstance(value, ast.Name):
+        return (value.id,)
+    if isinstance(value, ast.Attribute):
+        head = _dotted(value.value)
+        return (*head, value.attr) if head else ()
+    getter = isinstance(value, ast.Call) and getattr(value.func, "id", None) == "getattr"
+    if getter and len(value.args) == 2 and not value.keywords:  # type: ignore[attr-defined]
+        obj, attr = value.args  # type: ignore[attr-defined]
+        head = _dotted(obj)
+        named = isinstance(attr, ast.Constant) and isinstance(attr.value, str)
+        return (*head, attr.value) if head and named else ()
+    return ()
 
 
 def is_own_code(func: Any) -> bool:
@@ -2574,26 +2671,68 @@ def warn_left_out(left_out: Iterable[tuple[type, str]]) -> None:
     """Say once per process, for each ``(class, what)`` a module's forward reads that its key
     left out (:meth:`HeldReading._refuse`'s: a global adapter with forward hooks of its own
     or in train mode, a table past :data:`HELD_VALUES`), that a change to it changes no key:
-    features stored before the change would be served after it."""
+    features stored before the change would be served after it. Not in a process
+    ``multiprocessing`` started (a ``DataLoader`` worker: its parent said it, and a spawned
+    worker reads the key while it unpickles, before it knows it is one); the line points at
+    the user's code that called featbake."""
+    if _in_a_child_process():
+        return
     for cls, what in left_out:
         said = (cls, what)
         if said in _LEFT_OUT_SAID:
             continue
         _LEFT_OUT_SAID.add(said)
-        todo = (
-            "call .eval() on it"
-            if IN_TRAIN_MODE in what
-            else "make it a submodule or buffer of the encoder (keyed by its weights), or "
-            "build into a new store after changing it"
-        )
         warnings.warn(
             KeyLeftOutWarning(
                 f"the forward of {cls.__qualname__} reads {what}, which no key can read: a "
                 "change to it changes no key, so features stored before it would be served "
-                f"after it; {todo}"
+                f"after it; {left_out_advice(what)}"
             ),
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
+
+
+def _in_a_child_process() -> bool:
+    """Whether this is a process ``multiprocessing`` started, or is starting (a spawned
+    ``DataLoader`` worker unpickling its dataset: ``_inheriting``, before its parent is set)."""
+    current = multiprocessing.current_process()
+    return multiprocessing.parent_process() is not None or bool(
+        getattr(current, "_inheriting", False)
+    )
+
+
+def left_out_advice(what: str) -> str:
+    """What to do about a value a forward reads that no key can read (:func:`warn_left_out`).
+
+    Example:
+        >>> left_out_advice(TOO_LARGE)
+        'build into a new store (another --cache) after changing it'
+    """
+    if IN_TRAIN_MODE in what:
+        return "call .eval() on it"
+    if "forward hooks of its own" in what:
+        return "make it a submodule of the encoder (its hooks are then keyed as the encoder's)"
+    if "tensor" in what or "array" in what:
+        return "make it a buffer of the encoder (keyed by its values)"
+    return "build into a new store (another --cache) after changing it"
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning its caller raises point at the first frame
+    outside featbake and torch (the user's code: ``cached(x)`` runs through torch's module
+    call), not at their files."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_NOT_THE_USERS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+#: featbake's and torch's own folders (user_stacklevel's).
+_NOT_THE_USERS = tuple(
+    str(Path(m.__file__).resolve().parent) + os.sep
+    for m in (sys.modules[__name__.partition(".")[0]], torch)
+    if m.__file__
+)
 
 
 #: What :func:`warn_left_out` said in this process.
@@ -2619,12 +2758,27 @@ def _methods_run(cls: type) -> list[Any]:
     """The functions of ``cls``'s own classes (not a library's) its ``forward`` may run:
     each of theirs named ``forward``, and each named as an attribute that code reaches loads
     (``self.scaled(x)``; a base class's ``scaled`` a subclass's runs through
-    ``super().scaled(x)``, which reaching by name alone finds as the subclass's own; a
-    helper of the user's given ``self``, ``_apply(self, x)`` calling ``m.scaled(x)``), with
-    what each reaches (:func:`reached_methods`), until no more are found."""
+    ``super().scaled(x)``, which reaching by name alone finds as the subclass's own; one
+    asked by ``getattr(self, "scaled")``; a helper of the user's given ``self``,
+    ``_apply(self, x)`` or ``helpers.apply(self, x)`` calling ``m.scaled(x)``; a library
+    base class's method those names reach, ``nn.Conv1d.forward`` calling the user's
+    ``_conv_forward`` override, at any depth), with what each reaches
+    (:func:`reached_methods`), until no more are found. Kept per class and
+    :func:`class_layout`."""
+    return list(kept_per_object(_RUN, (cls,), class_layout(cls), lambda: _methods_found(cls)))
+
+
+#: _methods_run's, by class and layout (:func:`kept_per_object`).
+_RUN: dict[Any, Any] = {}
+
+
+def _methods_found(cls: type) -> list[Any]:
+    """:func:`_methods_run`, made anew."""
     own = [k for k in cls.__mro__ if not is_library_code(k)]
-    names, found = {"forward", *_library_forward_calls(cls)}, dict[Any, None]()
+    library = [k for k in cls.__mro__ if is_library_code(k)]
+    names, found, library_read = {"forward"}, dict[Any, None](), set[Any]()
     while True:
+        names |= _library_reaches(library, names, library_read)
         defined = [method_function(attr) for k in own for n, attr in vars(k).items() if n in names]
         new = [
             f
@@ -2638,13 +2792,46 @@ def _methods_run(cls: type) -> list[Any]:
         found.update(dict.fromkeys(new))
         for f in new:
             names |= {n for code in reached_code(f.__code__, cls) for n in attribute_names(code)}
-            names |= _helpers_attribute_names(f)
+            names |= {*names_asked(f, cls), *helpers_attribute_names(f)}
 
 
-def _helpers_attribute_names(func: Any) -> set[str]:
-    """The names the user's helpers ``func`` calls by a global (:func:`followed_helper`:
-    ``_apply(self, x)``), and theirs in turn, use as attributes (``m.scaled(x)``): where a
-    method of the module's class run through a helper given ``self`` is found."""
+def _library_reaches(library: list[type], names: set[str], read: set[Any]) -> set[str]:
+    """The attribute names the library classes' methods of ``names`` use, and those theirs
+    use in turn (``nn.Conv1d.forward`` uses ``_conv_forward``; timm's ``forward`` uses
+    ``forward_features``, which uses ``_pos_embed``): where a user's override a library
+    method calls is found. ``read``: the code objects read already (updated)."""
+    found: set[str] = set()
+    todo = set(names)
+    while todo:
+        more: set[str] = set()
+        for klass in library:
+            for name in todo & vars(klass).keys():
+                func = method_function(vars(klass)[name])
+                if inspect.isfunction(func) and func.__code__ not in read:
+                    read.add(func.__code__)
+                    more |= {
+                        n for c in reached_code(func.__code__, None) for n in attribute_names(c)
+                    }
+        todo = more - names - found
+        found |= todo
+    return found
+
+
+def helpers_attribute_names(func: Any) -> frozenset[str]:
+    """The names the user's helpers ``func`` calls by a global or through a module of the
+    user's (:func:`followed_helper`: ``_apply(self, x)``, ``helpers.apply(self, x)``), and
+    theirs in turn, use as attributes (``m.scaled(x)``, ``m.SCALE``): where a method or class
+    setting of the module's class read through a helper given ``self`` is found. Kept per
+    code object."""
+    return kept_per_object(_HELPER_NAMES, (func.__code__,), None, lambda: _helper_names(func))
+
+
+#: helpers_attribute_names's, by code object (:func:`kept_per_object`).
+_HELPER_NAMES: dict[Any, Any] = {}
+
+
+def _helper_names(func: Any) -> frozenset[str]:
+    """:func:`helpers_attribute_names`, made anew."""
     names: set[str] = set()
     todo, seen = [func], set[Any]()
     while todo:
@@ -2652,24 +2839,22 @@ def _helpers_attribute_names(func: Any) -> set[str]:
         if now.__code__ in seen:
             continue
         seen.add(now.__code__)
-        for g in global_names(now.__code__):
-            helper = followed_helper(now.__globals__.get(g))
-            if type(helper) is types.FunctionType:
-                names |= {
-                    n for c in reached_code(helper.__code__, None) for n in attribute_names(c)
-                }
-                todo.append(helper)
-    return names
+        for helper in _helpers_called(now):
+            names |= {n for c in reached_code(helper.__code__, None) for n in attribute_names(c)}
+            todo.append(helper)
+    return frozenset(names)
 
 
-def _library_forward_calls(cls: type) -> frozenset[str]:
-    """The names a library's ``forward`` that ``cls`` runs (no class of the user's defines
-    one) uses as attributes: where a user's override of a method it calls is found
-    (``_conv_forward`` of a subclass of ``nn.Conv1d``, reading a setting)."""
-    runs = method_function(inspect.getattr_static(cls, "forward", None))
-    if not inspect.isfunction(runs) or not is_library_code(runs):
-        return frozenset()
-    return frozenset(n for code in reached_code(runs.__code__, None) for n in attribute_names(code))
+def _helpers_called(func: Any) -> list[Any]:
+    """The user's functions ``func``'s code reaches by a global or through the user's
+    modules and classes (``helpers.apply``), as :meth:`HeldReading._globals` reaches them."""
+    found = func.__globals__
+    values = [found.get(g) for g in global_names(func.__code__)]
+    for g, chain in attribute_chains(func.__code__):
+        if g in found and leads_on(found[g], chain[0]):
+            values.append(reached_attribute(g, found[g], chain)[1])
+    helpers = (followed_helper(v) for v in values)
+    return [h for h in helpers if type(h) is types.FunctionType]
 
 
 def forward_globals(
@@ -2718,7 +2903,8 @@ def forward_reads(
         refused = len(reading.refused)
         read = [] if func in read_before else reading.globals_read(func)
         read_before.add(func)
-        settings = reading.class_settings(cls, func, shadowed.get(cls, frozenset()))
+        own = written_names(func.__code__, ATTRIBUTE_WRITES, cls)  # type(self)._fb = w
+        settings = reading.class_settings(cls, func, shadowed.get(cls, frozenset()) | own)
         read += [settings] if settings else []
         if left_out is not None:
             left_out += [(cls, what) for what in reading.refused[refused:]]

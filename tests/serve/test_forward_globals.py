@@ -9,6 +9,8 @@ reverse tests check that a forward recording into globals, or reading none, keep
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -59,6 +61,13 @@ CACHED = {"g": 1.0}
 @functools.lru_cache
 def cached_gain():
     return CACHED["g"]
+
+
+def apply_it(m, x):
+    return m.scale_it(x)
+
+
+from torch.nn.functional import gelu  # noqa: E402
 """
 
 _MODEL = """
@@ -187,6 +196,95 @@ class KeepsStateOfItsOwn(TinyConvEncoder):
 
 
 ACT = torch.sigmoid
+import os  # noqa: E402
+from torch.fft import rfft  # noqa: E402
+from numpy import abs as npabs  # noqa: E402
+
+TANH = getattr(torch, "tanh")
+if os.environ.get("FWD_GLOBALS_TANH"):
+    CHOSEN = torch.tanh
+else:
+    CHOSEN = torch.sigmoid
+
+
+class CallsAliases(TinyConvEncoder):
+    def forward(self, wav):
+        y = TANH(super().forward(wav))
+        return y + rfft(y, dim=1).abs().mean() + float(npabs(-1.0))
+
+
+class CallsAChosenActivation(TinyConvEncoder):
+    def forward(self, wav):
+        return CHOSEN(super().forward(wav))
+
+
+class CallsALibraryFunctionOfAnotherModule(TinyConvEncoder):
+    def forward(self, wav):
+        return shared.gelu(super().forward(wav))
+
+
+class ScalesThroughAHelperOfAnotherModule(TinyConvEncoder):
+    def scale_it(self, x):
+        return x * shared.STATE.scale
+
+    def forward(self, wav):
+        return shared.apply_it(self, super().forward(wav))
+
+
+def _by_class_setting(m, x):
+    return x * m.SCALE
+
+
+class AHelperReadsAClassSetting(TinyConvEncoder):
+    SCALE = 2.0
+
+    def forward(self, wav):
+        return _by_class_setting(self, super().forward(wav))
+
+
+class AsksForAMethod(TinyConvEncoder):
+    def scale_it(self, x):
+        return x * shared.STATE.scale
+
+    def forward(self, wav):
+        return getattr(self, "scale_it")(super().forward(wav))
+
+
+class AsksAsTheClassSwapsNames(TinyConvEncoder):
+    OLD = 1.0
+
+    def forward(self, wav):
+        return super().forward(wav) * getattr(self, "K", 1.0)
+
+
+class PadsThenConvolves(torch.nn.Conv1d):
+    def forward(self, x):
+        return super().forward(torch.nn.functional.pad(x, (0, 0)))
+
+    def _conv_forward(self, input, weight, bias):
+        return super()._conv_forward(input, weight, bias) * shared.STATE.scale
+
+
+class HoldsAConvWithAForwardOfItsOwn(TinyConvEncoder):
+    def __init__(self):
+        super().__init__()
+        self.post = PadsThenConvolves(64, 64, 1)
+
+    def forward(self, wav):
+        return self.post(super().forward(wav).transpose(1, 2)).transpose(1, 2)
+
+
+class CachesAWindowOnItsClass(TinyConvEncoder):
+    _memo = {}
+
+    def forward(self, wav):
+        w = getattr(self, "_fb", None)
+        if w is None:
+            type(self)._fb = torch.hann_window(64)
+            w = type(self)._fb
+        if 64 not in self._memo:
+            self._memo[64] = torch.ones(2)
+        return super().forward(wav) * w[10] * self._memo[64][0]
 
 
 class BindsAnActivation(TinyConvEncoder):
@@ -325,6 +423,30 @@ CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
     ),
     "read-by-a-users-override-a-library-forward-calls": ("HoldsAnOverridingConv", _setting),
     "read-by-a-method-a-helper-given-self-calls": ("ScalesThroughAHelperGivenSelf", _setting),
+    "library-function-of-another-module-bound-anew": (
+        "CallsALibraryFunctionOfAnotherModule",
+        lambda m: setattr(m.shared, "gelu", torch.tanh),
+    ),
+    "read-by-a-method-a-helper-of-another-module-given-self-calls": (
+        "ScalesThroughAHelperOfAnotherModule",
+        _setting,
+    ),
+    "class-setting-a-helper-given-self-reads": (
+        "AHelperReadsAClassSetting",
+        lambda m: setattr(m.AHelperReadsAClassSetting, "SCALE", 3.0),
+    ),
+    "read-by-a-method-asked-by-getattr": ("AsksForAMethod", _setting),
+    "class-setting-gained-as-another-is-lost": (
+        "AsksAsTheClassSwapsNames",
+        lambda m: (
+            delattr(m.AsksAsTheClassSwapsNames, "OLD"),
+            setattr(m.AsksAsTheClassSwapsNames, "K", 3.0),
+        ),
+    ),
+    "read-by-an-override-a-users-forward-runs-through-super": (
+        "HoldsAConvWithAForwardOfItsOwn",
+        _setting,
+    ),
     "class-tensor-edited-in-place": (
         "HoldsAClassWindow",
         lambda m: m.HoldsAClassWindow.WINDOW.fill_(0.25),
@@ -437,13 +559,77 @@ def test_a_module_reading_no_setting_keeps_the_identity_it_had(module: torch.nn.
 def test_a_library_function_bound_as_the_file_binds_it_keeps_the_identity_it_had(
     package: ModuleType,
 ) -> None:
-    """``ACT = torch.sigmoid`` at a file's top level (or ``from json import dumps as
-    json_dumps``) is the code's own choice, keyed by the file's source: no global row, as
-    before round twenty-five; only one bound otherwise since is read."""
+    """``ACT = torch.sigmoid`` at a file's top level, an alias whose function has another
+    name (``from torch.fft import rfft``, ``from numpy import abs as npabs``, ``getattr(torch,
+    "tanh")``) is the code's own choice, keyed by the file's source: no global row, as before
+    round twenty-five; only one bound otherwise since is read. One the file binds in two
+    branches (by the environment) is a setting, keyed by the function chosen."""
     module = package.BindsAnActivation().eval()
     assert forward_globals(module, exact=True) == ""
+    assert forward_globals(package.CallsAliases().eval(), exact=True) == ""
     package.ACT = torch.tanh
     assert "global ACT=<torch." in forward_globals(module, exact=True)
+    chosen = forward_globals(package.CallsAChosenActivation().eval(), exact=True)
+    assert "global CHOSEN=<torch._VariableFunctionsClass.sigmoid>" in chosen
+
+
+def test_a_class_cache_the_forward_fills_keeps_its_key(
+    package: ModuleType, tmp_path: Path, audio_dir: Path
+) -> None:
+    """A window the forward sets on its class at its first call (``type(self)._fb = w``)
+    and a memo dict on the class it fills are its own state: the first form of r25.1 keyed
+    the window once set (the class gained a name), so a dataset made after a forward ran
+    missed every item stored before it."""
+    module = package.CachesAWindowOnItsClass().eval()
+    before = from_module(module).fingerprint
+    with torch.inference_mode():
+        module(waves(1))
+    assert hasattr(package.CachesAWindowOnItsClass, "_fb")
+    assert from_module(module).fingerprint == before
+    again = _baked_then_reopened(audio_dir, module, tmp_path / "d", n=2)  # on_miss="error"
+    _assert_live(again, module, 2)
+
+
+_SPAWNED = """
+import sys, warnings
+sys.path.insert(0, {code!r})
+from torch.utils.data import DataLoader
+from featbake.serve.dataset import CachedFeatureDataset
+from {package}.model import LooksUpBesideASetting
+
+
+def main():
+    ds = CachedFeatureDataset({audio!r}, LooksUpBesideASetting().eval(), cache={cache!r})
+    ctx = "spawn"
+    for _ in DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=ctx):
+        pass
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("default")
+    main()
+"""
+
+
+def test_what_a_key_leaves_out_is_said_once_not_again_in_each_worker(
+    package: ModuleType, tmp_path: Path, audio_dir: Path
+) -> None:
+    """A dataset whose module's forward reads a table too large to key says so once, naming
+    the table, in its own process; its spawned ``DataLoader`` workers, which read the key
+    again as they unpickle the dataset, say nothing (the first form said it in each)."""
+    script = tmp_path / "spawned.py"
+    code = str(Path(package.__file__).parent.parent)
+    cache = str(tmp_path / "s")
+    source = _SPAWNED.format(code=code, package=_PACKAGE, audio=str(audio_dir), cache=cache)
+    script.write_text(source)
+    ran = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    said = [line for line in ran.stderr.splitlines() if "KeyLeftOutWarning" in line]
+    assert len(said) == 1, ran.stderr[-3000:]
+    assert "reads EMBEDDINGS (a value too large" in said[0]
+    assert said[0].startswith(f"{script}:")  # the user's line, not featbake's
 
 
 def test_a_global_adapter_in_train_mode_is_said_once_naming_what_to_do(
