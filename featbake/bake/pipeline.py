@@ -68,7 +68,9 @@ from featbake.encode.inputs import (
     digested_anywhere,
     falling_back_to,
     inputs_at,
+    paths_taken,
     takes_paths_from_workdir,
+    taking_paths_as,
     workdir_of,
 )
 from featbake.encode.loaders import is_import_path, load_encoder
@@ -1209,7 +1211,7 @@ class _Bake:
         return EngineJob(
             self.layout, root, self.enc.kind, self.enc.spec, self.enc.weights,
             self.enc.trust_pickle, elsewhere.device, self.recipe, self.runs, opts, data,
-            self.column, encoder_state=self.enc.state(),
+            self.column, encoder_state=self.enc.state(), workdirs=paths_taken(self.place),
         )  # fmt: skip
 
     def put_derived(
@@ -1413,6 +1415,11 @@ class EngineJob:
     #: (:meth:`BuildEncoder.state`): a worker on the driver's host that loads it unchanged
     #: skips hashing its weights; elsewhere (or None) the worker hashes them.
     encoder_state: FileStat | str | None = None
+    #: Where the driver's inputs took relative paths from (its working directory, and the
+    #: folder its last build took them from: :func:`~featbake.encode.inputs.paths_taken`), so
+    #: a worker takes them from the same places, in the same order; ``("", "")``: from the
+    #: root's folder alone (other kinds, or a job of a driver that did not send them).
+    workdirs: tuple[str, str] = ("", "")
 
     def sent_protocol(self) -> object:
         """The engine protocol of the driver that made this job, read from its own state: a
@@ -1707,12 +1714,7 @@ class PartEncoder:
         dev = check_device(job.device)
         catalog = FragmentCatalog(job.layout, RankPart(0, 1, ()))
         catalog.replace_root(job.root, [])  # this build's id (workers_build), no manifest
-        # a worker's working directory is not the driver's: relative paths from the driver's
-        place = (
-            inputs_at(job.data, job.column, job.recipe.source, job.root.workdir)
-            if job.data
-            else HeldInputs()
-        )
+        place = worker_inputs(job)
         enc = BuildEncoder(
             job.encoder, job.weights, dev, job.trust_pickle, job.recipe, job.root.encoder_label,
             job.encoder_kind, known_fp=job.root.encoder_fp,
@@ -1814,6 +1816,18 @@ class PartEncoder:
             with Catalog(self.job.layout, read_only=True) as catalog:
                 found |= catalog.present_keys(keys)
         return found
+
+
+def worker_inputs(job: EngineJob) -> Inputs:
+    """``job``'s data opened again in a worker, whose working directory is not the driver's:
+    relative paths taken from where the driver took them, in its order (its working
+    directory's too: a new row's clip found only there), else from the root's folder; items
+    that come with their bytes (no data) as they came."""
+    if not job.data:
+        return HeldInputs()
+    place = inputs_at(job.data, job.column, job.recipe.source, job.root.workdir)
+    taking_paths_as(place, vars(job).get("workdirs", ("", "")))  # a driver's before: none
+    return place
 
 
 class HeldInputs:

@@ -596,6 +596,36 @@ def falling_back_to(inputs: Inputs, build_workdir: str) -> None:
         inputs.build_workdir = build_workdir
 
 
+def read_as_built(inputs: Inputs, build_workdir: str) -> None:
+    """Give a dataset's ``inputs`` ``build_workdir``, the folder its root's build took
+    relative paths from, as :func:`falling_back_to` does; a table's path-only cells' relative
+    paths are then taken from there and beside the table only. A clip found in neither is
+    gone (its row's stored features served as built, or kept back: featbake.serve.index),
+    not read from another file of the same name in this process's working directory, which
+    its build did not read. Set before the scan."""
+    falling_back_to(inputs, build_workdir)
+    if isinstance(inputs, Table):
+        inputs.reads_here = False
+
+
+def paths_taken(inputs: Inputs) -> tuple[str, str]:
+    """Where a build's ``inputs`` take relative paths from, for an engine's worker to take
+    them from the same places, in the same order (:func:`taking_paths_as`): a local table's
+    (this process's working directory, the folder :func:`falling_back_to` gave it);
+    ``("", "")`` for other kinds (a Kaldi folder's or a cut manifest's rows carry the files
+    they name to the worker)."""
+    if isinstance(inputs, Table) and takes_paths_from_workdir(inputs):
+        return inputs.paths_taken
+    return "", ""
+
+
+def taking_paths_as(inputs: Inputs, taken: tuple[str, str]) -> None:
+    """Have a worker's ``inputs`` take relative paths as the build's process took them
+    (``taken``: its :func:`paths_taken`); nothing where that is ``("", "")``."""
+    if isinstance(inputs, Table) and taken[0]:
+        inputs.take_paths_as(*taken)
+
+
 def input_gone(inputs: Inputs, rel: str, listed: bool) -> bool:
     """Whether item ``rel``, which cannot be hashed now, is gone since its build: no longer
     listed (a folder's file, a tar's member, a table's row), or a folder's file, a manifest

@@ -40,11 +40,14 @@ it was looked for, and the row. A bucket's table's path-only cells are refused (
 
 The working directory a build took relative paths from is recorded in its root
 (:attr:`featbake.store.roots.Root.workdir`, :attr:`Table.found_in`), as a Kaldi folder's and
-lhotse cuts' are: a dataset or a rebuild opened from another directory takes them from there
-first, then from the table's folder, then from its own working directory
-(:attr:`Table.build_workdir`, :class:`CellPaths`); a table opened again as built (an export's
-check, an engine's worker) from there, then the table's folder. So other files of the same
-relative names in another working directory are not read in place of the ones built.
+lhotse cuts' are: a rebuild opened from another directory takes them from there first, then
+from the table's folder, then from its own working directory (:attr:`Table.build_workdir`,
+:class:`CellPaths`); a dataset from there and the table's folder only (a clip in neither is
+gone: :attr:`Table.reads_here`); a table opened again as built (an export's check) from
+there, then the table's folder; an engine's worker from the driver's places, in its order
+(:meth:`Table.take_paths_as`). So other files of the same relative names in another working
+directory are not read in place of the ones built. The working directory is read only for a
+relative path-only cell (:attr:`Table.here`).
 
 **Bad rows**: a null cell, a cell with neither bytes nor a path, a path-only cell whose file is
 missing, a table file whose column holds neither bytes nor an Audio/Image struct; each is one
@@ -226,8 +229,8 @@ class Table:
             bytes column.
         workdir: the folder path-only cells' relative paths are taken from first: a root's
             record of its build's (:attr:`featbake.store.roots.Root.workdir`) where the table
-            is opened again as built (an export's check, an engine's worker); ``""``: the
-            working directory now, as ``datasets`` opens them.
+            is opened again as built (an export's check); ``""``: the working directory now,
+            as ``datasets`` opens them.
     """
 
     #: Each file the hash cache does not know may be read by any process (an engine's task),
@@ -236,15 +239,22 @@ class Table:
 
     def __init__(self, data: str, column: str | None = None, workdir: str = "") -> None:
         pyarrow_module()
-        #: The working directory path-only cells' relative paths are taken from (see
-        #: :class:`CellPaths`): ``workdir``, else this process's.
-        self.workdir = workdir or os.getcwd()
+        #: The build's folder the table was opened with (``workdir``; ``""``: none given).
+        self.given = workdir
         self.workdir_recorded = bool(workdir)  # a build's, not this process's own
+        #: This process's working directory, read when a path-only cell first needs it
+        #: (:attr:`here`): a bucket's table, or one opened from a deleted directory, never does.
+        self._here = ""
         #: The folder the table's last build took relative paths from, where a dataset or a
         #: rebuild opens it from another working directory (set before the scan): taken from
         #: there first, so the rows are read from the files their build read, not from other
         #: files of the same relative names here (:attr:`cell_paths`).
         self.build_workdir = ""
+        #: Whether a relative path found neither in :attr:`build_workdir` nor beside the table
+        #: is looked for in this process's working directory: a rebuild's is (as ``datasets``
+        #: would read it); a dataset's is not (:func:`~featbake.encode.inputs.read_as_built`):
+        #: that clip is gone, not another file of the same name here.
+        self.reads_here = True
         #: where the last scan's relative paths were found (:attr:`found_in`)
         self.taken = TakenFrom()
         #: a bucket's parquet file -> its stat, and the listings to record (see :meth:`_listing`)
@@ -291,14 +301,44 @@ class Table:
         return not self.remote and not self.text
 
     @property
+    def here(self) -> str:
+        """This process's working directory (read once, when first asked)."""
+        if not self._here:
+            self._here = os.getcwd()
+        return self._here
+
+    @property
+    def workdir(self) -> str:
+        """The working directory path-only cells' relative paths are taken from (see
+        :class:`CellPaths`): the build's folder the table was opened with, else this
+        process's."""
+        return self.given or self.here
+
+    @property
     def cell_paths(self) -> CellPaths:
         """Where path-only cells' relative paths are taken from: the build's working directory
-        given by :attr:`build_workdir` first (the working directory now last), else
-        :attr:`workdir`."""
+        given by :attr:`build_workdir` first (the working directory now last, where
+        :attr:`reads_here`), else :attr:`workdir`."""
         build = self.build_workdir
-        if build and build != self.workdir and not self.workdir_recorded:
-            return CellPaths(build, SAID_BUILD, self.workdir)
+        if build and not self.workdir_recorded and build != self.here:
+            return CellPaths(build, SAID_BUILD, self.here if self.reads_here else "")
         return CellPaths(self.workdir, SAID_BUILD if self.workdir_recorded else SAID_HERE)
+
+    @property
+    def paths_taken(self) -> tuple[str, str]:
+        """(this process's working directory, :attr:`build_workdir`): what a process that
+        opens the table again takes its relative paths as (:meth:`take_paths_as`); ``("",
+        "")`` where no relative path-only cell needed the working directory."""
+        return (self._here, self.build_workdir) if self._here else ("", "")
+
+    def take_paths_as(self, here: str, build_workdir: str) -> None:
+        """Take path-only cells' relative paths from the places a process run in ``here``,
+        given ``build_workdir`` (:attr:`paths_taken`), takes them from, in its order: an
+        engine's worker, opened in a working directory of its own, reads the files the
+        build's process hashed (a new row's clip found only in that process's directory
+        too)."""
+        self.given, self.workdir_recorded = "", False
+        self._here, self.build_workdir = here, build_workdir
 
     @property
     def found_in(self) -> str:
@@ -563,18 +603,21 @@ class Table:
         for p in paths:
             file, row = split_item_path(p)
             by_file.setdefault(file, {})[int(row)] = p
-        looked = self.cell_paths
+        looked: CellPaths | None = None  # the working directory is read only where needed
         for file, wanted in by_file.items():
             named = self._path_only(file, wanted)
-            gone = self.replaced([file]).get(file) if named else None  # replaced meanwhile
+            if not named:
+                continue
+            looked = looked or self.cell_paths
+            gone = self.replaced([file]).get(file)  # replaced meanwhile
             for at, where in named.items():
                 cell = wanted[at]
-                place: CellPlace | None = None
                 try:
                     linked[cell], place = looked.file(where, file)
+                    self.taken.note(place)
                 except SourceError as e:
                     refused[cell] = f"{cell}: {e}"
-                self.taken.note(where, place)
+                    self.taken.note_missing(where)
                 if gone is not None:
                     linked.pop(cell, None)
                     refused[cell] = gone
@@ -732,8 +775,9 @@ class Table:
 
 
 class CellPlace(enum.Enum):
-    """Where a path-only cell's relative path was taken from (see :class:`CellPaths`)."""
+    """Where a path-only cell's path was taken from (see :class:`CellPaths`)."""
 
+    ABSOLUTE = "absolute"  # an absolute path: itself
     WORKDIR = "workdir"  # the working directory relative paths are taken from first
     BESIDE = "beside"  # the table file's folder
     HERE = "here"  # the working directory now, after a build's folder and the table's
@@ -751,9 +795,9 @@ class CellPaths:
     the section's comment): ``workdir`` (the working directory, as ``datasets`` opens them,
     or the one the table's build took them from, as its root records it), then the table
     file's folder, then ``here`` (the working directory now, where ``workdir`` is a build's
-    that a dataset or a rebuild run elsewhere was given: a clip neither place holds any more
-    is looked for where ``datasets`` would open it; ``""``: not looked at). A relative path
-    is thus read from the files its build read, wherever it is opened again."""
+    that a rebuild run elsewhere was given: a clip neither place holds any more is looked for
+    where ``datasets`` would open it; ``""``: not looked at, as a dataset does). A relative
+    path is thus read from the files its build read, wherever it is opened again."""
 
     workdir: str
     said: str = SAID_HERE
@@ -763,7 +807,7 @@ class CellPaths:
         """(file, the place it is taken from) for each place ``named`` is looked for at, in
         order, each file once (an absolute path: itself)."""
         if os.path.isabs(named):
-            return [(os.path.normpath(named), CellPlace.WORKDIR)]
+            return [(os.path.normpath(named), CellPlace.ABSOLUTE)]
         beside = os.path.dirname(os.path.abspath(table_file))
         out: dict[str, CellPlace] = {}
         for folder, place in (
@@ -778,19 +822,25 @@ class CellPaths:
     def file(self, named: str, table_file: str) -> tuple[str, CellPlace]:
         """The local file a path-only cell's ``named`` path names (in the table file
         ``table_file``), and the place it was found at: the first of :meth:`places` that
-        holds a file.
+        holds a file (the first place tried alone first: a table's every row asks).
 
         Raises:
             SourceError: it names no file at any of them (each place looked at said), or is
                 a URL.
         """
-        if urlparse(named).scheme:  # datasets' is_local_path: a URL is no local file
+        if ":" in named and urlparse(named).scheme:  # datasets' is_local_path: no local file
             raise SourceError(
                 f"the cell holds no bytes, only the path {named!r}, a URL featbake does not "
                 "read; embed the bytes (datasets' embed_table_storage)"
             )
+        if os.path.isabs(named):
+            first = (os.path.normpath(named), CellPlace.ABSOLUTE)
+        else:
+            first = (os.path.normpath(os.path.join(self.workdir, named)), CellPlace.WORKDIR)
+        if os.path.isfile(first[0]):
+            return first
         places = self.places(named, table_file)
-        found = next((p for p in places if os.path.isfile(p[0])), None)
+        found = next((p for p in places[1:] if os.path.isfile(p[0])), None)
         if found is not None:
             return found
         looked = (
@@ -817,13 +867,17 @@ class TakenFrom:
     workdir: bool = False  # one was found from :attr:`CellPaths.workdir`
     here: bool = False  # one was found only from :attr:`CellPaths.here`
 
-    def note(self, named: str, place: CellPlace | None) -> None:
-        """Count one cell naming ``named``, found at ``place`` (None: found nowhere)."""
-        if os.path.isabs(named) or urlparse(named).scheme:
-            return
-        self.relative = True
-        self.workdir |= place is CellPlace.WORKDIR
-        self.here |= place is CellPlace.HERE
+    def note(self, place: CellPlace) -> None:
+        """Count one cell found at ``place``."""
+        if place is not CellPlace.ABSOLUTE:
+            self.relative = True
+            self.workdir |= place is CellPlace.WORKDIR
+            self.here |= place is CellPlace.HERE
+
+    def note_missing(self, named: str) -> None:
+        """Count one cell naming ``named``, found nowhere."""
+        if not os.path.isabs(named) and not urlparse(named).scheme:
+            self.relative = True
 
 
 def hash_linked(

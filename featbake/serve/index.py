@@ -9,11 +9,14 @@ deleted, a member no longer listed) keeps its manifest key and is still served f
 one still there that cannot be read as it is now is not (:func:`_as_built`). A Kaldi
 folder's or a cut manifest's relative path not found from this process's working directory is
 read where the build read it (the root's ``workdir``), so only a file gone from both is served
-as built; a table's path-only cells' relative paths are taken from there first. A table row
-whose clip is not found, in a table file changed since the build, is served as built where
-the file its cell names is the one the hash cache keys as built; else it is kept in the root
-but not served (:func:`untied_rows`, :func:`held_back`). Without a root (no build ran, or a
-list of paths) the inputs are hashed once through the hash cache.
+as built; a table's path-only cells' relative paths are taken from there and beside the table
+only (never from this process's working directory, and a dataset never moves the folder its
+root records: :func:`recorded_workdir`). A table row whose clip is not found, in a table file
+changed since the build (or a row a dataset kept back before), is served as built where the
+file its cell names is the one the hash cache keys as built; else it is kept in the root but
+not served, and recorded so (:func:`untied_rows`, :func:`held_back`, :func:`record_held`).
+Without a root (no build ran, or a list of paths) the inputs are hashed once through the hash
+cache.
 
 Tables indexed by item live in numpy arrays rather than Python lists so that forked workers do
 not copy them page by page as reference counts change.
@@ -32,10 +35,10 @@ import numpy as np
 from featbake.encode.fingerprints import hash_inputs
 from featbake.encode.inputs import (
     Inputs,
-    falling_back_to,
     input_gone,
     inputs_at,
     keeps_order,
+    read_as_built,
     workdir_of,
 )
 from featbake.encode.manifests import RowInputs
@@ -47,7 +50,7 @@ from featbake.keys import feature_key, root_id, sha256_hex
 from featbake.store.catalog import ServingStore
 from featbake.store.containers import split_item_path
 from featbake.store.hash_cache import FileStat
-from featbake.store.roots import Root, RootSpec, root_file
+from featbake.store.roots import Root, RootSpec, read_held, root_file, write_held
 
 __all__ = ["NO_STAT", "Index", "IndexSpec", "ItemPlacement", "build_index", "names_from_parent"]
 
@@ -291,11 +294,33 @@ def _index_place(
             rel_paths, keys, hashed, catalog.undecodable(name), catalog, inputs.where
         )
     if publish:
-        items = rooted_items(order, rel_paths, keys, {r: manifest[r] for r in kept})
-        _publish_root(
-            catalog, spec, data_dir, items, name, new=new_root, workdir=workdir_of(inputs)
-        )
+        held = {r: manifest[r] for r in kept}
+        record_held(catalog, name, inputs, held)  # before the root: never a moment unheld
+        items = rooted_items(order, rel_paths, keys, held)
+        workdir = recorded_workdir(inputs, root)
+        _publish_root(catalog, spec, data_dir, items, name, new=new_root, workdir=workdir)
     return Index(rel_paths, keys, data_dir, catalog, spec, hashed, inputs, name)
+
+
+def recorded_workdir(inputs: Inputs, root: Root | None) -> str:
+    """The folder a dataset's root records its data's relative paths were taken from
+    (:attr:`~featbake.store.roots.Root.workdir`): a table's build's, never moved by a dataset
+    (only a build records where it read its clips: a dataset opened elsewhere while they were
+    away must not have later runs read another folder's files of the same names); the
+    folder found for a new root and for other kinds (:func:`workdir_of`)."""
+    if isinstance(inputs, Table) and root is not None:
+        return root.workdir
+    return workdir_of(inputs)
+
+
+def record_held(catalog: ServingStore, name: str, inputs: Inputs, held: Mapping[str, str]) -> None:
+    """Record ``held`` (row -> key as built) as the table rows root ``name`` keeps but this
+    dataset does not serve (:func:`~featbake.store.roots.write_held`), where that is not
+    what the record says already; nothing for other kinds, or a store without root files."""
+    layout = getattr(catalog, "layout", None)
+    if layout is None or not isinstance(inputs, Table) or read_held(layout, name) == held:
+        return
+    write_held(layout, name, dict(held))
 
 
 def _without(
@@ -396,11 +421,20 @@ def untied_rows(
     """Of a table's rows ``rels`` whose path-only cells name a file not found now, those that
     cannot be told to be the inputs their stored features were made from: their table file
     changed since the root was written (:func:`table_files_changed`: a row may have been
-    edited to name another file), and no file the cell now names is one the hash cache keys
-    as the root does (the clip its build hashed, by its own path: the same input, whatever
-    happened to the table file's status, a ``touch`` or a ``cp``)."""
-    changed = table_files_changed(inputs, root_written(catalog, root)) if rels else set()
-    maybe = [r for r in rels if split_item_path(inputs.path(r))[0] in changed]
+    edited to name another file), or a dataset kept the row back before with the key the root
+    still gives it (:func:`~featbake.store.roots.read_held`: the root published since, for
+    another row's new key, is no build of this row), and no file the cell now names is one
+    the hash cache keys as the root does (the clip its build hashed, by its own path: the
+    same input, whatever happened to the table file's status, a ``touch`` or a ``cp``)."""
+    if not rels:
+        return []
+    changed = table_files_changed(inputs, root_written(catalog, root))
+    held = held_rows(catalog, root)
+    maybe = [
+        r
+        for r in rels
+        if split_item_path(inputs.path(r))[0] in changed or held.get(r) == manifest[r]
+    ]
     named = {rel: inputs.cell_files(rel) for rel in maybe}
     known = catalog.hash_rows(sorted({f for files in named.values() for f in files}))
     return [
@@ -434,6 +468,13 @@ def held_back(
         stacklevel=4,
     )
     return set(out)
+
+
+def held_rows(catalog: ServingStore, name: str) -> dict[str, str]:
+    """The rows of root ``name`` a dataset kept back (row -> key as built:
+    :func:`~featbake.store.roots.read_held`); none for a store without root files."""
+    layout = getattr(catalog, "layout", None)
+    return {} if layout is None else read_held(layout, name)
 
 
 def root_written(catalog: ServingStore, name: str) -> float | None:
@@ -487,12 +528,14 @@ def _built_root(
 ) -> tuple[Root | None, dict[str, str]]:
     """The root named ``name`` (none if no build made it) and its items' keys by name (none
     unless it was built by this encoder). A Kaldi folder or cut manifest is told the folder
-    its build took relative paths from, for the paths it does not find from here."""
+    its build took relative paths from, for the paths it does not find from here; a table
+    takes its path-only cells' relative paths from there and beside it only
+    (:func:`~featbake.encode.inputs.read_as_built`)."""
     root = catalog.root(name)
     if root is None:
         return None, {}
     if root.workdir:
-        falling_back_to(inputs, root.workdir)
+        read_as_built(inputs, root.workdir)
     built = root.encoder_fp == spec.enc_fp
     return root, dict(catalog.root_items(name)) if built else {}
 

@@ -11,6 +11,7 @@ roots/<name>.json         the manifest, written whole (ROOT_FORMAT)
 roots/<name>.items        items appended since, one [path, key] JSON array per line
 roots/<name>.dropped      left by a drop while it runs; gc finishes a drop a crash cut short
 roots/<name>.undecodable  the inputs the last build could not decode (key -> reason)
+roots/<name>.held         the table rows a dataset kept in the root but did not serve
 roots/<name>.fidelity     what an int8/fp8 build measured (featbake.store.fidelity)
 roots/<name>.<part>.padding  what a build (part) that may pad set out to encode, until its end
 ```
@@ -323,6 +324,55 @@ def read_root_file(path: Path) -> tuple[Root, list[RootItem]]:
             "quarantine/, and rebuilding that data folder publishes the root again"
         ) from e
     return root, items
+
+
+# -- the held-back record -----------------------------------------------------------------------
+# The table rows a dataset kept in its root but did not serve: ``roots/<name>.held``.
+#
+# A table row whose clip is not found is served as built unless its table file changed since
+# the build and no file its cell names is the one the hash cache keys as built (a row edited
+# to name another clip): such a row keeps its key as built in the root, so gc keeps its
+# features, and is not served (featbake.serve.index). Whether the table file changed is told
+# by the root's manifest file's time, which any later publishing of the root moves (a dataset
+# publishing another row's new key, a repair): so the dataset records the rows it held back,
+# each with its key as built, before it publishes, and a row named here with the key its root
+# still gives it stays held back until the clip its cell names is found or a build drops it.
+# A record left by a root dropped since names keys a later build need not give its rows: one
+# that does is checked by the hash cache as any other row is.
+def held_file(layout: Layout, name: str) -> Path:
+    """``roots/<name>.held``: the rows a dataset kept back (row -> its key as built)."""
+    return roots_dir(layout) / f"{checked_root_name(name)}.held"
+
+
+def read_held(layout: Layout, name: str) -> dict[str, str]:
+    """Row -> key as built for each row of root ``name`` a dataset kept back; ``{}`` when there
+    is no record or it cannot be read (the rows are then told by the table file's time)."""
+    try:
+        rows = json.loads(held_file(layout, name).read_text(encoding="utf-8"))["rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {str(r): str(k) for r, k in rows.items()} if isinstance(rows, dict) else {}
+
+
+def write_held(layout: Layout, name: str, rows: dict[str, str]) -> None:
+    """Record ``rows`` (row -> key as built) as root ``name``'s rows kept back, replacing the
+    record (tmp, rename); no ``rows`` removes it.
+
+    Raises:
+        StoreError: the store is not writable.
+    """
+    final = held_file(layout, name)
+    if not rows:
+        unlink_quietly(final)
+        return
+    doc = json.dumps({"rows": rows}, sort_keys=True)
+    try:
+        publish_file(final, functools.partial(_write_utf8, doc), tmp_dir=layout.tmp)
+    except OSError as e:
+        raise StoreError(
+            f"could not record the rows kept back in {final}: {e.strerror or e}; check that "
+            "the cache directory is writable"
+        ) from e
 
 
 # -- the undecodable record ---------------------------------------------------------------------

@@ -685,6 +685,41 @@ def test_a_ray_build_of_a_table_or_a_tar_hashes_its_containers_on_the_cluster(
     assert (set(asked), read_here, again.encoded, again.reused) == (bad, [], 0, len(good))
 
 
+def test_a_ray_rebuild_from_another_directory_encodes_a_row_whose_clip_only_it_holds(
+    ray_cluster: dict[str, str], encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A table of path-only cells built from its project, then rebuilt on Ray from another
+    # directory that holds a new row's clip (the other rows' clips are where the first build
+    # read them): the workers look where the driver looked, in its order, and encode every
+    # row as a plain build does. Before, they looked in the first build's directory alone and
+    # failed the new row ("names no file").
+    from tests.encode.test_tables_audio_paths import (
+        PathTable,
+        clip_tensor,
+        encoder_now,
+        only_path,
+        run_now,
+        write_clip,
+        write_path_parquet,
+    )
+
+    t = PathTable(tmp_path)
+    monkeypatch.chdir(t.project)
+    store = tmp_path / "store"
+    build(t.table, encoder_file, cache=store, workers=0, column="audio")
+    job = tmp_path / "job"
+    new = write_clip(job / "clips" / "new.wav", 77)
+    cells = [c for i, c in enumerate(t.cells()) if i not in (3, 5)]
+    write_path_parquet(t.table, [*cells, only_path("clips/new.wav")])
+    monkeypatch.chdir(job)
+    report = build(t.table, encoder_file, cache=store, engine=RayEngine(workers=1), column="audio")
+    assert (report.encoded, report.reused, report.failed) == (1, 4, [])
+    module = encoder_now(encoder_file)
+    stored = stored_features(store, report.root)
+    for n, clip in enumerate([t.files[0], t.files[1], t.files[2], t.files[4], new]):
+        assert torch.equal(stored[f"train.parquet:{n}"][""], run_now(module, clip_tensor(clip)))
+
+
 def test_a_ray_build_of_a_manifests_texts_equals_transformers_run_now(
     ray_cluster: dict[str, str], tmp_path: Path
 ) -> None:

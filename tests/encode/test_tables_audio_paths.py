@@ -29,7 +29,7 @@ from featbake.bake.pipeline import build
 from featbake.encode.encoders import torchscript_quietly
 from featbake.encode.sources import source_for
 from featbake.encode.tables import CellSource, Table
-from featbake.errors import SourceError
+from featbake.errors import FeatbakeError, SourceError
 from featbake.keys import sha256_hex
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
@@ -143,6 +143,10 @@ class PathTable:
                 {"bytes": None, "path": None},
             ],
         )
+
+    def cells(self) -> list[dict[str, Any] | None]:
+        """The table's ``audio`` cells as written now."""
+        return pq.read_table(self.table).column("audio").to_pylist()
 
     def missing_reason(self) -> str:
         return (
@@ -521,3 +525,122 @@ def test_a_dataset_and_a_rebuild_elsewhere_read_the_clips_built_not_others_of_th
         assert torch.equal(moved[i], want[rows[i]]), i
     workdir, now = root_of(store, report.root)
     assert workdir == str(t.project) and now != built
+
+
+def test_a_row_kept_back_stays_kept_back_when_the_root_is_published_again(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Row 4 is edited to name another clip that is not there (its own clip deleted), row 0 to
+    name a new clip. The first dataset keeps row 4 back and publishes the root with row 0's new
+    key, so the root's manifest is newer than the table's edit. The next datasets keep row 4
+    back all the same (one warning each), the root keeps its key as built and `gc` its
+    features; once the clip its cell names is there, the row is served from that clip. Before,
+    the second dataset served row 4 the deleted clip's features, without a warning."""
+    t = PathTable(tmp_path)
+    monkeypatch.chdir(t.project)
+    store = tmp_path / "store"
+    report = build(t.table, encoder_file, cache=store, workers=0, column="audio")
+    module = encoder_now(encoder_file)
+    want4 = run_now(module, clip_tensor(t.files[4]))
+    _, built = root_of(store, report.root)
+    new0 = write_clip(t.project / "clips" / "new0.wav", 99)
+    cells = pq.read_table(t.table).column("audio").to_pylist()
+    write_path_parquet(
+        t.table, [only_path("clips/new0.wav"), *cells[1:4], only_path("clips/renamed.wav")]
+    )
+    t.files[4].unlink()
+    root_before(store, report.root, t.table)
+    served = [f"train.parquet:{n}" for n in (0, 1, 2)]
+    for _ in range(3):  # the first publishes row 0's new key; the others see a newer root
+        with pytest.warns(UserWarning) as told:
+            ds = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+        assert [ds.item_id(i) for i in range(len(ds))] == served
+        lines = [str(w.message) for w in told if "train.parquet:4" in str(w.message)]
+        assert len(lines) == 1 and "stored features are kept, not served" in lines[0], lines
+        assert torch.equal(ds[0], run_now(module, clip_tensor(new0)))
+        _, items = root_of(store, report.root)
+        assert items["train.parquet:4"] == built["train.parquet:4"]
+        assert items["train.parquet:0"] != built["train.parquet:0"]
+    assert invoke("gc", "--cache", store, "--grace", "0s").returncode == 0
+    assert torch.equal(stored_features(store, report.root)["train.parquet:4"][""], want4)
+    renamed = write_clip(t.project / "clips" / "renamed.wav", 44, 0.35)
+    with pytest.warns(UserWarning) as told:
+        back = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+    assert not [w for w in told if "kept, not served" in str(w.message)]
+    assert [back.item_id(i) for i in range(len(back))] == [*served, "train.parquet:4"]
+    assert torch.equal(back[3], run_now(module, clip_tensor(renamed)))
+
+
+def test_a_dataset_run_elsewhere_while_the_clips_are_away_never_moves_the_recorded_folder(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build's clips are moved away for a while, and a dataset is opened from another
+    directory that holds other clips of the same relative names: it serves the rows as built
+    (not the other clips), and the root still records the build's working directory. The
+    clips back, a dataset and a rebuild from the project read the project's clips, and `gc`
+    keeps every feature. Before, the dataset recorded its own directory in the root, and from
+    then on the project's own runs served, and a rebuild stored, the other clips' features."""
+    t = PathTable(tmp_path)
+    monkeypatch.chdir(t.project)
+    store = tmp_path / "store"
+    report = build(t.table, encoder_file, cache=store, workers=0, column="audio")
+    _, built = root_of(store, report.root)
+    module = encoder_now(encoder_file)
+    want = {n: run_now(module, clip_tensor(f)) for n, f in t.files.items()}
+    job = tmp_path / "job"
+    others = {n: write_clip(job / "clips" / f"c{n}.wav", 60 + n, 0.45) for n in (0, 4)}
+    for n, other in others.items():
+        assert not torch.equal(want[n], run_now(module, clip_tensor(other))), n
+    (t.project / "clips").rename(t.project / "away")
+    monkeypatch.chdir(job)
+    rows = (0, 1, 2, 4)
+    with pytest.warns(UserWarning):
+        elsewhere = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+    assert [elsewhere.item_id(i) for i in range(len(elsewhere))] == [
+        f"train.parquet:{n}" for n in rows
+    ]
+    for i, n in enumerate(rows):
+        if n != 1:  # row 1's clip is absolute, under the folder moved away: as built too
+            assert torch.equal(elsewhere[i], want[n]), n
+    assert root_of(store, report.root) == (str(t.project), built)
+    (t.project / "away").rename(t.project / "clips")
+    monkeypatch.chdir(t.project)
+    with pytest.warns(UserWarning):
+        home = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+    for i, n in enumerate(rows):
+        assert torch.equal(home[i], want[n]), n
+    again = build(t.table, encoder_file, cache=store, workers=0, column="audio")
+    assert (again.encoded, again.reused) == (0, 4)
+    assert root_of(store, report.root) == (str(t.project), built)
+    assert invoke("gc", "--cache", store, "--grace", "0s").returncode == 0
+    stored = stored_features(store, report.root)
+    for n in rows:
+        assert torch.equal(stored[f"train.parquet:{n}"][""], want[n]), n
+
+
+def test_a_table_opened_from_a_deleted_working_directory_needs_it_only_for_relative_cells(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opened from a working directory deleted since, a table of embedded bytes named by its
+    absolute path is scanned and hashed, and a bucket's table is refused in one line of its
+    own (no credentials here); neither needs the working directory. Before, opening either
+    raised the OS's FileNotFoundError of the working directory."""
+    data = tmp_path / "bytes.parquet"
+    clip = write_clip(tmp_path / "c.wav", 5)
+    table = pa.table({"audio": pa.array([{"bytes": clip.read_bytes(), "path": "c.wav"}], AUDIO)})
+    pq.write_table(table, data)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    inputs = Table(str(data), "audio")
+    paths = [inputs.path(r) for r in inputs.scan([".wav"]).inputs]
+    digests, failed = inputs.hash(catalog(tmp_path), paths)
+    assert (digests, failed) == ({paths[0]: sha256_hex(clip.read_bytes())}, {})
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(FeatbakeError, match="no credentials"):
+        Table("s3://bucket/t.parquet")
