@@ -110,6 +110,7 @@ from featbake.store.roots import (
     padding_file,
     padding_of,
     read_padding,
+    write_held,
     write_padding,
     write_undecodable,
 )
@@ -927,9 +928,11 @@ class _Bake:
         """Publish the root's manifest before encoding.
 
         It names keys, not features, so readers can map index -> key (and gc keeps these keys
-        live) while the features are still being encoded.
+        live) while the features are still being encoded. The rows a dataset kept back
+        (``roots/<name>.held``) are this build's to decide: its record goes.
         """
         self.catalog.replace_root(self.root_spec(), self.manifest)
+        write_held(self.layout, self.report.root, {})
 
     def root_spec(self) -> RootSpec:
         """The root this build publishes: its data, encoder and recipe, and the folder the

@@ -348,9 +348,10 @@ class Table:
         :attr:`CellPaths.workdir` (kept where none was found: a dataset run while the clips
         are away does not lose the build's record); ``""`` where no cell named a relative path
         (bytes, absolute paths: nothing depends on the working directory)."""
-        paths, taken = self.cell_paths, self.taken
+        taken = self.taken
         if not taken.relative or not self.paths_from_workdir:
-            return ""
+            return ""  # the working directory is not read: it may be gone
+        paths = self.cell_paths
         return paths.here if taken.here and not taken.workdir else paths.workdir
 
     def scan(self, extensions: Sequence[str]) -> ScanResult:
@@ -603,17 +604,15 @@ class Table:
         for p in paths:
             file, row = split_item_path(p)
             by_file.setdefault(file, {})[int(row)] = p
-        looked: CellPaths | None = None  # the working directory is read only where needed
         for file, wanted in by_file.items():
             named = self._path_only(file, wanted)
             if not named:
                 continue
-            looked = looked or self.cell_paths
             gone = self.replaced([file]).get(file)  # replaced meanwhile
             for at, where in named.items():
                 cell = wanted[at]
                 try:
-                    linked[cell], place = looked.file(where, file)
+                    linked[cell], place = self.named_file(where, file)
                     self.taken.note(place)
                 except SourceError as e:
                     refused[cell] = f"{cell}: {e}"
@@ -622,6 +621,18 @@ class Table:
                     linked.pop(cell, None)
                     refused[cell] = gone
         return linked, refused
+
+    def named_file(self, named: str, table_file: str) -> tuple[str, CellPlace]:
+        """The local file a path-only cell's ``named`` path names in ``table_file``, and where
+        it was found (:meth:`CellPaths.file`); an absolute path naming a file is taken as it
+        is, without reading the working directory (which may be gone).
+
+        Raises:
+            SourceError: it names no file at any place looked at, or is a URL.
+        """
+        if os.path.isabs(named) and os.path.isfile(named):
+            return os.path.normpath(named), CellPlace.ABSOLUTE
+        return self.cell_paths.file(named, table_file)
 
     def linked_missing(self, rel: str) -> bool:
         """Whether item ``rel``'s cell holds a path and no bytes, and no file is at that path
@@ -1033,7 +1044,7 @@ class CellSource:
             SourceError: it names no file, or the file cannot be read.
         """
         try:
-            file = self.table.cell_paths.file(named, f.path)[0]
+            file = self.table.named_file(named, f.path)[0]
         except SourceError as e:
             raise SourceError(f"{path}: {e}") from None
         try:

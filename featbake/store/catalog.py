@@ -49,6 +49,7 @@ from featbake.store.roots import (
     RootItem,
     RootSpec,
     append_root_items,
+    held_file,
     items_file,
     read_undecodable,
     root_file,
@@ -1470,6 +1471,7 @@ class RootRows(CatalogConnection):
                 c.after_commit(lambda: unlink_quietly(items_file(self.layout, name)))
                 c.after_commit(lambda: unlink_quietly(fidelity_file(self.layout, name)))
                 c.after_commit(lambda: unlink_quietly(undecodable_file(self.layout, name)))
+                c.after_commit(lambda: unlink_quietly(held_file(self.layout, name)))
         except BaseException:
             if renamed and not committed:
                 _restore_manifest(dead, live)
@@ -1492,6 +1494,7 @@ class RootRows(CatalogConnection):
             c.after_commit(lambda: unlink_quietly(items_file(self.layout, name)))
             c.after_commit(lambda: unlink_quietly(fidelity_file(self.layout, name)))
             c.after_commit(lambda: unlink_quietly(undecodable_file(self.layout, name)))
+            c.after_commit(lambda: unlink_quietly(held_file(self.layout, name)))
         return dropped
 
 

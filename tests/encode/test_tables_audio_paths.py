@@ -571,6 +571,64 @@ def test_a_row_kept_back_stays_kept_back_when_the_root_is_published_again(
     assert torch.equal(back[3], run_now(module, clip_tensor(renamed)))
 
 
+def test_a_build_decides_the_rows_kept_back_and_a_drop_takes_their_record(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dataset keeps row 4 back (edited to name a missing clip) and records it; a rebuild,
+    which decides every row again, takes the record, so once the clip is there a dataset
+    serves it; `featbake roots drop` takes a record left beside a root. Before, the record
+    outlived the rebuild (the row stayed kept back, its warning saying the build had not
+    run) and the drop."""
+    t = PathTable(tmp_path)
+    monkeypatch.chdir(t.project)
+    store = tmp_path / "store"
+    report = build(t.table, encoder_file, cache=store, workers=0, column="audio")
+    cells = t.cells()
+    write_path_parquet(t.table, [*cells[:4], only_path("clips/renamed.wav")])
+    t.files[4].unlink()
+    root_before(store, report.root, t.table)
+    with pytest.warns(UserWarning, match="kept, not served"):
+        CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+    held = store / "roots" / f"{report.root}.held"
+    assert held.is_file()
+    renamed = write_clip(t.project / "clips" / "renamed.wav", 44, 0.35)
+    again = build(t.table, encoder_file, cache=store, workers=0, column="audio")
+    assert again.root == report.root and not held.exists()
+    ds = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio", on_miss="error")
+    assert ds.item_id(3) == "train.parquet:4"
+    assert torch.equal(ds[3], run_now(encoder_now(encoder_file), clip_tensor(renamed)))
+    held.write_text('{"rows": {"train.parquet:4": "k"}}')
+    assert invoke("roots", "drop", report.root, "--cache", store).returncode == 0
+    assert not held.exists()
+
+
+def test_a_build_and_a_dataset_from_a_deleted_working_directory_need_it_only_for_relative_cells(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run from a working directory deleted since, a build and a dataset over a table of
+    embedded bytes, and over one whose path-only cells are absolute, serve every row equal to
+    the encoder run now. Before, both raised the OS's FileNotFoundError of the working
+    directory (the folder a root records was read for every table)."""
+    clip = write_clip(tmp_path / "c.wav", 5)
+    embedded = tmp_path / "bytes.parquet"
+    cell = {"bytes": clip.read_bytes(), "path": "c.wav"}
+    pq.write_table(pa.table({"audio": pa.array([cell], AUDIO)}), embedded)
+    absolute = write_path_parquet(tmp_path / "abs.parquet", [only_path(clip)])
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    want = run_now(encoder_now(encoder_file), clip_tensor(clip))
+    for data in (embedded, absolute):
+        store = tmp_path / f"store-{data.stem}"
+        report = build(data, encoder_file, cache=store, workers=0, column="audio")
+        assert report.encoded == 1 and not report.failed
+        ds = CachedFeatureDataset(data, encoder_file, cache=store, column="audio", on_miss="error")
+        assert torch.equal(ds[0], want)
+        live = CachedFeatureDataset(data, encoder_file, cache=tmp_path / f"live-{data.stem}")
+        assert torch.equal(live[0], want)
+
+
 def test_a_dataset_run_elsewhere_while_the_clips_are_away_never_moves_the_recorded_folder(
     tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
