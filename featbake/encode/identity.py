@@ -1075,20 +1075,25 @@ def class_data_names(cls: type, func: Any) -> tuple[str, ...]:
 
 
 def class_layout(cls: type) -> tuple[Any, ...]:
-    """The names each class of the user's in ``cls``'s MRO holds, and how many each library
-    class holds: what changes where a class gains a name or loses one (``Cls.K = 3.0`` set
-    where it had none, ``del Cls.K``, both at once), read in about a microsecond at each
-    forward (a user's class holds a few dozen names; ``nn.Module`` a hundred, counted)."""
-    own = _OWN_IN_MRO.get(cls)
-    if own is None:
-        own = _OWN_IN_MRO[cls] = tuple(not is_library_code(k) for k in cls.__mro__)
+    """A hash of the names each class of the user's in ``cls``'s MRO holds, and how many
+    each library class holds: what changes where a class gains a name or loses one (``Cls.K
+    = 3.0`` set where it had none, ``del Cls.K``, both at once), read in about a microsecond
+    at each forward (a user's class holds a few dozen names; ``nn.Module`` a hundred,
+    counted). A hash, not the names: kept as a cache's key, a class gaining a name per
+    window length would keep every layout's names."""
+    mro = cls.__mro__
+    kept = _OWN_IN_MRO.get(cls)
+    if kept is None or kept[0] is not mro:  # new, or its __bases__ set since
+        kept = _OWN_IN_MRO[cls] = (mro, tuple(not is_library_code(k) for k in mro))
     return tuple(
-        tuple(vars(k)) if mine else len(vars(k)) for k, mine in zip(cls.__mro__, own, strict=True)
+        hash(tuple(vars(k))) if mine else len(vars(k)) for k, mine in zip(mro, kept[1], strict=True)
     )
 
 
 #: class -> which classes of its MRO are the user's (class_layout's).
-_OWN_IN_MRO: weakref.WeakKeyDictionary[type, tuple[bool, ...]] = weakref.WeakKeyDictionary()
+_OWN_IN_MRO: weakref.WeakKeyDictionary[type, tuple[tuple[type, ...], tuple[bool, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 #: class_data_names's, by code object and class (:func:`kept_per_object`).
@@ -1306,15 +1311,29 @@ def library_bound_anew(name: str, value: Any, where: Mapping[str, Any] | None) -
     very object the file's one top-level binding of it gives (``from torch.fft import rfft``,
     ``ACT = torch.sigmoid``, ``act = getattr(F, "gelu")``: :func:`statically_bound`) is the
     code's own choice, keyed by the file's source; ``where``: the globals of the code reading
-    ``name`` (a dotted ``ops.act`` is looked up in module ``ops``'s file). A name bound in
-    two places (``if`` and ``else``), or where no file is read, is a setting, keyed. Modules
-    (``import numpy as np``) and classes are code."""
-    if isinstance(value, (type, types.ModuleType)) or not callable(value):
+    ``name`` (a dotted ``ops.act`` is looked up in module ``ops``'s file), a module of the
+    user's (a library's own bindings are its version's). One under its own name (``from
+    torch.nn.functional import *``, whisper's ``try``/``except`` import, a notebook cell's)
+    is the code's choice too. A name bound in two places to functions of other names (``if``
+    and ``else``) is a setting, keyed. Modules (``import numpy as np``), classes and scripted
+    functions are code."""
+    if not (inspect.isroutine(value) or isinstance(value, np.ufunc)):
+        return None  # a module, a class, a scripted function (the user's code, compiled)
+    own = getattr(value, "__name__", None)
+    if where is None or not _own_globals(where) or own in (None, name.rpartition(".")[2]):
         return None
-    if getattr(value, "__name__", None) is None or _as_the_file_binds(name, value, where):
+    if _as_the_file_binds(name, value, where):
         return None
     qualname = getattr(value, "__qualname__", value.__name__)
     return f"<{getattr(value, '__module__', None) or ''}.{qualname}>"
+
+
+def _own_globals(where: Mapping[str, Any]) -> bool:
+    """Whether ``where`` is the globals of a module of the user's (not a library's, whose
+    own bindings the library's version answers for)."""
+    top = str(where.get("__name__") or "").partition(".")[0]
+    filename = where.get("__file__")
+    return _own_source(top, filename if isinstance(filename, str) else "")
 
 
 def _as_the_file_binds(name: str, value: Any, where: Mapping[str, Any] | None) -> bool:
@@ -2693,12 +2712,14 @@ def warn_left_out(left_out: Iterable[tuple[type, str]]) -> None:
 
 
 def _in_a_child_process() -> bool:
-    """Whether this is a process ``multiprocessing`` started, or is starting (a spawned
-    ``DataLoader`` worker unpickling its dataset: ``_inheriting``, before its parent is set)."""
-    current = multiprocessing.current_process()
-    return multiprocessing.parent_process() is not None or bool(
-        getattr(current, "_inheriting", False)
-    )
+    """Whether this is a ``DataLoader`` worker, or a process ``multiprocessing`` is starting
+    (a spawned worker unpickling its dataset: ``_inheriting``, before it knows it is a
+    worker): its parent said what it would say. A rank ``torch.multiprocessing.spawn``
+    started says it for itself, as any process does."""
+    from torch.utils.data import get_worker_info
+
+    inheriting = getattr(multiprocessing.current_process(), "_inheriting", False)
+    return get_worker_info() is not None or bool(inheriting)
 
 
 def left_out_advice(what: str) -> str:
@@ -2765,7 +2786,28 @@ def _methods_run(cls: type) -> list[Any]:
     ``_conv_forward`` override, at any depth), with what each reaches
     (:func:`reached_methods`), until no more are found. Kept per class and
     :func:`class_layout`."""
-    return list(kept_per_object(_RUN, (cls,), class_layout(cls), lambda: _methods_found(cls)))
+    state = (class_layout(cls), _own_callables(cls))
+    return list(kept_per_object(_RUN, (cls,), state, lambda: _methods_found(cls)))
+
+
+def _own_callables(cls: type) -> tuple[int, ...]:
+    """The ids of what the user's classes in ``cls``'s MRO hold (:func:`own_class_values`):
+    a method replaced at run time (``Cls.post = scaled_post``) is another state of the class.
+    The functions found are kept with the state, so no id of theirs is lent while it is
+    kept."""
+    return tuple(map(id, own_class_values(cls)))
+
+
+def own_class_values(cls: type) -> list[Any]:
+    """What the user's classes in ``cls``'s MRO hold (methods, settings): what a watch
+    compares by identity at each forward, so a method replaced on the class is seen."""
+    kept = _OWN_IN_MRO.get(cls)
+    if kept is None or kept[0] is not cls.__mro__:
+        class_layout(cls)
+        kept = _OWN_IN_MRO[cls]
+    return [
+        v for k, mine in zip(cls.__mro__, kept[1], strict=True) if mine for v in vars(k).values()
+    ]
 
 
 #: _methods_run's, by class and layout (:func:`kept_per_object`).
@@ -2792,7 +2834,8 @@ def _methods_found(cls: type) -> list[Any]:
         found.update(dict.fromkeys(new))
         for f in new:
             names |= {n for code in reached_code(f.__code__, cls) for n in attribute_names(code)}
-            names |= {*names_asked(f, cls), *helpers_attribute_names(f)}
+            if not is_library_code(f):  # a library's own code asks nothing of the user's
+                names |= {*names_asked(f, cls), *helpers_attribute_names(f)}
 
 
 def _library_reaches(library: list[type], names: set[str], read: set[Any]) -> set[str]:
@@ -2903,7 +2946,7 @@ def forward_reads(
         refused = len(reading.refused)
         read = [] if func in read_before else reading.globals_read(func)
         read_before.add(func)
-        own = written_names(func.__code__, ATTRIBUTE_WRITES, cls)  # type(self)._fb = w
+        own = class_written_names(func, cls)  # type(self)._fb = w, a class memo dict filled
         settings = reading.class_settings(cls, func, shadowed.get(cls, frozenset()) | own)
         read += [settings] if settings else []
         if left_out is not None:
@@ -2913,6 +2956,50 @@ def forward_reads(
             named = f"{owner}.{func.__qualname__}@{cls.__qualname__}({','.join(read)})"
             rows.append(((cls, func), named))
     return rows
+
+
+def class_written_names(func: Any, cls: type) -> frozenset[str]:
+    """The names ``func`` and the methods of ``cls`` it reaches set on the class
+    (``type(self)._fb = w``, ``self.__class__.K = v``, ``Cls.K = v``, ``cls.K = v``) or record
+    into (``self._windows[n] = w``, a memo dict on the class): the forward's own state, never
+    its settings. An attribute set on another object (``self.stats.scale = self.scale``) is
+    not the class's. Kept per code object and class."""
+    return kept_per_object(
+        _CLASS_WRITTEN, (func.__code__, cls), None, lambda: _class_written(func, cls)
+    )
+
+
+#: class_written_names's, by code object and class (:func:`kept_per_object`).
+_CLASS_WRITTEN: dict[Any, Any] = {}
+
+
+def _class_written(func: Any, cls: type) -> frozenset[str]:
+    """:func:`class_written_names`, made anew."""
+    found = func.__globals__
+    names: set[str] = set()
+    for code in reached_code(func.__code__, cls):
+        ins = list(dis.get_instructions(code))
+        for j, op in enumerate(ins):
+            set_on_class = op.opname in ATTRIBUTE_WRITES and _a_class_at(ins, j, found)
+            if set_on_class or (op.opname in _ATTRIBUTE_READS and records_into(ins, j)):
+                names.add(str(op.argval))
+    return frozenset(names)
+
+
+def _a_class_at(ins: list[Any], j: int, found: Mapping[str, Any]) -> bool:
+    """Whether the object an attribute is set on at ``ins[j]`` is a class: ``type(x)``,
+    ``x.__class__``, a global naming a class, a ``cls`` argument."""
+    before = ins[j - 1] if j else None
+    if before is None:
+        return False
+    if before.opname == "LOAD_ATTR" and before.argval == "__class__":
+        return True
+    if before.opname == "LOAD_GLOBAL":
+        return inspect.isclass(found.get(str(before.argval)))
+    if before.opname == "LOAD_FAST":
+        return before.argval == "cls"
+    called = before.opname == "CALL" and j >= 4
+    return called and ins[j - 4].opname == "LOAD_GLOBAL" and ins[j - 4].argval == "type"
 
 
 def instance_names(module: Any) -> dict[type, frozenset[str]]:

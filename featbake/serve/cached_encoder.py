@@ -66,6 +66,7 @@ from featbake.encode.identity import (
     later_read,
     model_config,
     module_identity,
+    own_class_values,
     reads_held_attributes,
 )
 from featbake.encode.outputs import (
@@ -321,6 +322,9 @@ class GlancePlan:
     #: ``getattr``, a library function a script may bind anew): glanced at by what may
     #: change (:class:`LaterRead`); a change is read exactly, and planned again.
     later: tuple[LaterRead, ...] = ()
+    #: The user's classes whose functions its forward runs: what they hold is glanced at by
+    #: identity (a method replaced on the class, ``Cls.post = scaled_post``).
+    classes: tuple[type, ...] = ()
 
     def live_tensors(self) -> list[torch.Tensor] | None:
         """The planned tensors (None: one of them is gone, so the tree changed)."""
@@ -342,9 +346,12 @@ def glance_plan(module: nn.Module) -> GlancePlan | None:
         held = _held_attributes(sub, attrs, public)
         looks.append(_Look(weakref.ref(sub), pick, len(public) > 1, listy, name, public, held))
     tensors = tuple(weakref.ref(t) for t in (*module.parameters(), *module.buffers()))
-    reads = tuple(pair for pair, _ in forward_reads(module, exact=False))
-    later = (later_read(*p) for p in forward_functions(module) if p not in reads)
-    return GlancePlan(tuple(looks), tensors, reads, tuple(r for r in later if r is not None))
+    functions = forward_functions(module)
+    reads = tuple(pair for pair, _ in forward_reads(module, exact=False, functions=functions))
+    later = (later_read(*p) for p in functions if p not in reads)
+    classes = tuple(dict.fromkeys(cls for cls, _ in functions))
+    kept = tuple(r for r in later if r is not None)
+    return GlancePlan(tuple(looks), tensors, reads, kept, classes)
 
 
 def _held_attributes(
@@ -549,6 +556,8 @@ def take_glance(plan: GlancePlan) -> Glance | None:
             return None
         texts.append(forward_globals(root, exact=False, functions=plan.reads))
     texts += [later.now() for later in plan.later]
+    for cls in plan.classes:
+        extend(own_class_values(cls))
     tensors = plan.live_tensors()
     if tensors is None:
         return None

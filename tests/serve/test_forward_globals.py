@@ -71,6 +71,7 @@ from torch.nn.functional import gelu  # noqa: E402
 """
 
 _MODEL = """
+import types
 import torch
 from featbake.testing import TinyConvEncoder
 from . import shared
@@ -274,6 +275,48 @@ class HoldsAConvWithAForwardOfItsOwn(TinyConvEncoder):
         return self.post(super().forward(wav).transpose(1, 2)).transpose(1, 2)
 
 
+try:
+    from torch.nn.functional import scaled_dot_product_attention
+except ImportError:
+    scaled_dot_product_attention = None
+
+
+class AttendsAsWhisperDoes(TinyConvEncoder):
+    def __init__(self):
+        super().__init__()
+        self.act = torch.nn.functional.silu  # a library function held: as before
+
+    def forward(self, wav):
+        y = self.act(super().forward(wav))
+        q = y.unsqueeze(1)
+        return scaled_dot_product_attention(q, q, q).squeeze(1)
+
+
+class LogsItsScale(TinyConvEncoder):
+    scale = 2.0
+
+    def __init__(self):
+        super().__init__()
+        self.stats = types.SimpleNamespace(scale=None)
+
+    def forward(self, wav):
+        y = super().forward(wav) * self.scale
+        self.stats.scale = self.scale  # another object's field, not the class's setting
+        return y
+
+
+class PostProcesses(TinyConvEncoder):
+    def post(self, x):
+        return x
+
+    def forward(self, wav):
+        return self.post(super().forward(wav))
+
+
+def scaled_post(self, x):
+    return x * shared.STATE.scale
+
+
 class CachesAWindowOnItsClass(TinyConvEncoder):
     _memo = {}
 
@@ -447,6 +490,14 @@ CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
         "HoldsAConvWithAForwardOfItsOwn",
         _setting,
     ),
+    "class-setting-beside-another-objects-field-of-its-name": (
+        "LogsItsScale",
+        lambda m: setattr(m.LogsItsScale, "scale", 3.0),
+    ),
+    "method-replaced-at-run-time": (
+        "PostProcesses",
+        lambda m: (setattr(m.PostProcesses, "post", m.scaled_post), _setting(m)),
+    ),
     "class-tensor-edited-in-place": (
         "HoldsAClassWindow",
         lambda m: m.HoldsAClassWindow.WINDOW.fill_(0.25),
@@ -571,6 +622,26 @@ def test_a_library_function_bound_as_the_file_binds_it_keeps_the_identity_it_had
     assert "global ACT=<torch." in forward_globals(module, exact=True)
     chosen = forward_globals(package.CallsAChosenActivation().eval(), exact=True)
     assert "global CHOSEN=<torch._VariableFunctionsClass.sigmoid>" in chosen
+    whisper = package.AttendsAsWhisperDoes().eval()  # try/except import, a held F.silu
+    assert forward_globals(whisper, exact=True) == ""
+    assert "silu" not in module_identity(whisper)
+
+
+def test_a_class_whose_bases_are_set_anew_is_keyed_again(package: ModuleType) -> None:
+    """``Cls.__bases__`` set after a first key: the next key reads the class as it is now.
+    The first form of r25.1 raised ValueError there (the classes of its MRO kept by count)."""
+    module = package.ReadsAClassSetting().eval()
+    before = module_identity(module)
+
+    class Mixin:
+        pass
+
+    package.ReadsAClassSetting.__bases__ = (Mixin, package.TinyConvEncoder)
+    assert "SCALE=2.0" in forward_globals(module, exact=True)
+    assert module_identity(module) == before  # an empty mixin changes nothing read
+    package.ReadsAClassSetting.SCALE = 3.0
+    assert "SCALE=3.0" in forward_globals(module, exact=True)
+    assert module_identity(module) != before
 
 
 def test_a_class_cache_the_forward_fills_keeps_its_key(
