@@ -1150,7 +1150,10 @@ def _looked_up(found: Mapping[str, Any], path: tuple[str, ...]) -> Any:
 
 def later_read(cls: type, func: Any) -> LaterRead | None:
     """The :class:`LaterRead` of ``func`` (a forward of ``cls``, or a method it runs), or
-    None where it may read no setting later."""
+    None where it may read no setting later (a library's method: its bindings are its
+    version's)."""
+    if is_library_code(func):
+        return None
     found = func.__globals__
     paths: list[tuple[str, ...]] = [(g,) for g in global_names(func.__code__)]
     for g, chain in attribute_chains(func.__code__):
