@@ -2802,15 +2802,26 @@ def _own_callables(cls: type) -> tuple[int, ...]:
 
 
 def own_class_values(cls: type) -> list[Any]:
-    """What the user's classes in ``cls``'s MRO hold (methods, settings): what a watch
-    compares by identity at each forward, so a method replaced on the class is seen."""
+    """The methods the user's classes in ``cls``'s MRO hold (functions, static and class
+    methods, properties): what a watch compares by identity at each forward, so a method
+    replaced on the class is seen. Not their data (settings are read by value, a counter or
+    a shape the forward keeps on its class changes at each call: compared by identity, a
+    glance would never settle)."""
     kept = _OWN_IN_MRO.get(cls)
     if kept is None or kept[0] is not cls.__mro__:
         class_layout(cls)
         kept = _OWN_IN_MRO[cls]
     return [
-        v for k, mine in zip(cls.__mro__, kept[1], strict=True) if mine for v in vars(k).values()
+        v
+        for k, mine in zip(cls.__mro__, kept[1], strict=True)
+        if mine
+        for v in vars(k).values()
+        if inspect.isroutine(v) or isinstance(v, _METHOD_KINDS)
     ]
+
+
+#: What a class holds as a method (own_class_values's), beside plain functions.
+_METHOD_KINDS = (staticmethod, classmethod, property, functools.partialmethod)
 
 
 #: _methods_run's, by class and layout (:func:`kept_per_object`).
@@ -2983,26 +2994,26 @@ def _class_written(func: Any, cls: type) -> frozenset[str]:
     for code in reached_code(func.__code__, cls):
         ins = list(dis.get_instructions(code))
         for j, op in enumerate(ins):
-            set_on_class = op.opname in ATTRIBUTE_WRITES and _a_class_at(ins, j, found)
+            set_on_class = op.opname in ATTRIBUTE_WRITES and _a_class_at(ins, j, found, cls)
             if set_on_class or (op.opname in _ATTRIBUTE_READS and records_into(ins, j)):
                 names.add(str(op.argval))
     return frozenset(names)
 
 
-def _a_class_at(ins: list[Any], j: int, found: Mapping[str, Any]) -> bool:
-    """Whether the object an attribute is set on at ``ins[j]`` is a class: ``type(x)``,
-    ``x.__class__``, a global naming a class, a ``cls`` argument."""
+def _a_class_at(ins: list[Any], j: int, found: Mapping[str, Any], cls: type) -> bool:
+    """Whether the object an attribute is set on at ``ins[j]`` may be the class (``type(x)``,
+    ``x.__class__``, ``cls``, a local holding one, a counter bumped, ``type(self).calls +=
+    1``, whatever the interpreter's bytecode puts between): all but what is plainly another
+    object, a field of an attribute (``self.stats.scale = v``) or a global that is no class
+    of ``cls``'s (a namespace, a module, another class: ``Log.scale = v``)."""
     before = ins[j - 1] if j else None
     if before is None:
         return False
-    if before.opname == "LOAD_ATTR" and before.argval == "__class__":
-        return True
+    if before.opname == "LOAD_ATTR":
+        return before.argval == "__class__"
     if before.opname == "LOAD_GLOBAL":
-        return inspect.isclass(found.get(str(before.argval)))
-    if before.opname == "LOAD_FAST":
-        return before.argval == "cls"
-    called = before.opname == "CALL" and j >= 4
-    return called and ins[j - 4].opname == "LOAD_GLOBAL" and ins[j - 4].argval == "type"
+        return found.get(str(before.argval)) in cls.__mro__
+    return True
 
 
 def instance_names(module: Any) -> dict[type, frozenset[str]]:

@@ -317,6 +317,28 @@ def scaled_post(self, x):
     return x * shared.STATE.scale
 
 
+class Log:
+    scale = None
+
+
+class LogsOnANamespaceClass(TinyConvEncoder):
+    scale = 2.0
+
+    def forward(self, wav):
+        Log.scale = self.scale  # another class's field, not this class's setting
+        return super().forward(wav) * self.scale
+
+
+class CountsOnItsClass(TinyConvEncoder):
+    calls = 0
+
+    def forward(self, wav):
+        type(self).calls += 1
+        klass = type(self)
+        klass.last_length = wav.shape[-1]
+        return super().forward(wav)
+
+
 class CachesAWindowOnItsClass(TinyConvEncoder):
     _memo = {}
 
@@ -494,6 +516,10 @@ CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
         "LogsItsScale",
         lambda m: setattr(m.LogsItsScale, "scale", 3.0),
     ),
+    "class-setting-beside-another-classes-field-of-its-name": (
+        "LogsOnANamespaceClass",
+        lambda m: setattr(m.LogsOnANamespaceClass, "scale", 3.0),
+    ),
     "method-replaced-at-run-time": (
         "PostProcesses",
         lambda m: (setattr(m.PostProcesses, "post", m.scaled_post), _setting(m)),
@@ -642,6 +668,23 @@ def test_a_class_whose_bases_are_set_anew_is_keyed_again(package: ModuleType) ->
     package.ReadsAClassSetting.SCALE = 3.0
     assert "SCALE=3.0" in forward_globals(module, exact=True)
     assert module_identity(module) != before
+
+
+def test_a_counter_the_forward_keeps_on_its_class_keeps_its_key(
+    package: ModuleType, tmp_path: Path, audio_dir: Path
+) -> None:
+    """``type(self).calls += 1`` and a shape set through a local holding the class are the
+    forward's own state: r25.1's third form keyed them (the augmented store's object is not
+    the instruction before it), so every dataset made after a forward missed every item."""
+    module = package.CountsOnItsClass().eval()
+    before = from_module(module).fingerprint
+    with torch.inference_mode():
+        module(waves(1))
+        module(waves(1))
+    assert package.CountsOnItsClass.calls == 2
+    assert from_module(module).fingerprint == before
+    again = _baked_then_reopened(audio_dir, module, tmp_path / "d", n=2)  # on_miss="error"
+    _assert_live(again, module, 2)
 
 
 def test_a_class_cache_the_forward_fills_keeps_its_key(
