@@ -361,17 +361,28 @@ def write_held(layout: Layout, name: str, rows: dict[str, str]) -> None:
     Raises:
         StoreError: the store is not writable.
     """
-    final = held_file(layout, name)
-    if not rows:
+    _write_record(layout, held_file(layout, name), "rows", rows, "the rows kept back")
+
+
+def _write_record(
+    layout: Layout, final: Path, field: str, entries: dict[str, str], what: str
+) -> None:
+    """Write a record beside a root (``{field: entries}``, tmp then rename), or remove it
+    where ``entries`` is empty; ``what`` names it in the error.
+
+    Raises:
+        StoreError: the store is not writable.
+    """
+    if not entries:
         unlink_quietly(final)
         return
-    doc = json.dumps({"rows": rows}, sort_keys=True)
+    doc = json.dumps({field: entries}, sort_keys=True)
     try:
         publish_file(final, functools.partial(_write_utf8, doc), tmp_dir=layout.tmp)
     except OSError as e:
         raise StoreError(
-            f"could not record the rows kept back in {final}: {e.strerror or e}; check that "
-            "the cache directory is writable"
+            f"could not record {what} in {final}: {e.strerror or e}; check that the cache "
+            "directory is writable"
         ) from e
 
 
@@ -404,17 +415,7 @@ def write_undecodable(layout: Layout, name: str, failed: dict[str, str]) -> None
         StoreError: the store is not writable.
     """
     final = undecodable_file(layout, name)
-    if not failed:
-        unlink_quietly(final)
-        return
-    doc = json.dumps({"keys": failed}, sort_keys=True)
-    try:
-        publish_file(final, lambda tmp: tmp.write_text(doc, encoding="utf-8"), tmp_dir=layout.tmp)
-    except OSError as e:
-        raise StoreError(
-            f"could not record the inputs this build skipped in {final}: {e.strerror or e}; "
-            "check that the cache directory is writable"
-        ) from e
+    _write_record(layout, final, "keys", failed, "the inputs this build skipped")
 
 
 def read_undecodable(layout: Layout, name: str) -> dict[str, str]:

@@ -157,6 +157,32 @@ class PathTable:
         )
 
 
+def built_with_others_elsewhere(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[
+    PathTable,
+    Path,
+    Any,
+    dict[str, str],
+    torch.nn.Module,
+    dict[int, torch.Tensor],
+    Path,
+    dict[int, Path],
+]:
+    """A :class:`PathTable` built from its project folder, its root's items, the encoder and
+    each clip's features run now, and ``job/`` holding other clips named as rows 0 and 4's."""
+    t = PathTable(tmp_path)
+    monkeypatch.chdir(t.project)
+    store = tmp_path / "store"
+    report = build(t.table, encoder_file, cache=store, workers=0, column="audio")
+    _, built = root_of(store, report.root)
+    module = encoder_now(encoder_file)
+    want = {n: run_now(module, clip_tensor(f)) for n, f in t.files.items()}
+    job = tmp_path / "job"
+    others = {n: write_clip(job / "clips" / f"c{n}.wav", 60 + n, 0.45) for n in (0, 4)}
+    return t, store, report, built, module, want, job, others
+
+
 # == tests =========================================================================================
 def test_a_table_datasets_to_parquet_wrote_builds_each_row_from_its_file(
     tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
@@ -479,15 +505,9 @@ def test_a_dataset_and_a_rebuild_elsewhere_read_the_clips_built_not_others_of_th
     four rows; the table opened again as built (an export's check) takes them from the
     recorded folder. Before, the other clips were read: the dataset served their features,
     published the root with their keys, and `gc` freed the build's."""
-    t = PathTable(tmp_path)
-    monkeypatch.chdir(t.project)
-    store = tmp_path / "store"
-    report = build(t.table, encoder_file, cache=store, workers=0, column="audio")
-    _, built = root_of(store, report.root)
-    module = encoder_now(encoder_file)
-    want = {n: run_now(module, clip_tensor(f)) for n, f in t.files.items()}
-    job = tmp_path / "job"
-    others = {n: write_clip(job / "clips" / f"c{n}.wav", 60 + n, 0.45) for n in (0, 4)}
+    t, store, report, built, module, want, job, others = built_with_others_elsewhere(
+        tmp_path, encoder_file, monkeypatch
+    )
     monkeypatch.chdir(job)
     with pytest.warns(UserWarning):
         ds = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
@@ -638,15 +658,9 @@ def test_a_dataset_run_elsewhere_while_the_clips_are_away_never_moves_the_record
     clips back, a dataset and a rebuild from the project read the project's clips, and `gc`
     keeps every feature. Before, the dataset recorded its own directory in the root, and from
     then on the project's own runs served, and a rebuild stored, the other clips' features."""
-    t = PathTable(tmp_path)
-    monkeypatch.chdir(t.project)
-    store = tmp_path / "store"
-    report = build(t.table, encoder_file, cache=store, workers=0, column="audio")
-    _, built = root_of(store, report.root)
-    module = encoder_now(encoder_file)
-    want = {n: run_now(module, clip_tensor(f)) for n, f in t.files.items()}
-    job = tmp_path / "job"
-    others = {n: write_clip(job / "clips" / f"c{n}.wav", 60 + n, 0.45) for n in (0, 4)}
+    t, store, report, built, module, want, job, others = built_with_others_elsewhere(
+        tmp_path, encoder_file, monkeypatch
+    )
     for n, other in others.items():
         assert not torch.equal(want[n], run_now(module, clip_tensor(other))), n
     (t.project / "clips").rename(t.project / "away")
