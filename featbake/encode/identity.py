@@ -1081,16 +1081,20 @@ def class_layout(cls: type) -> tuple[Any, ...]:
     at each forward (a user's class holds a few dozen names; ``nn.Module`` a hundred,
     counted). A hash, not the names: kept as a cache's key, a class gaining a name per
     window length would keep every layout's names."""
+    return tuple(hash(tuple(vars(k))) if mine else len(vars(k)) for k, mine in _own_in_mro(cls))
+
+
+def _own_in_mro(cls: type) -> list[tuple[type, bool]]:
+    """Each class of ``cls``'s MRO, and whether it is the user's (not library code); kept per
+    class, read again where its ``__bases__`` were set since."""
     mro = cls.__mro__
     kept = _OWN_IN_MRO.get(cls)
-    if kept is None or kept[0] is not mro:  # new, or its __bases__ set since
+    if kept is None or kept[0] is not mro:
         kept = _OWN_IN_MRO[cls] = (mro, tuple(not is_library_code(k) for k in mro))
-    return tuple(
-        hash(tuple(vars(k))) if mine else len(vars(k)) for k, mine in zip(mro, kept[1], strict=True)
-    )
+    return list(zip(mro, kept[1], strict=True))
 
 
-#: class -> which classes of its MRO are the user's (class_layout's).
+#: class -> its MRO and which of its classes are the user's (_own_in_mro's).
 _OWN_IN_MRO: weakref.WeakKeyDictionary[type, tuple[tuple[type, ...], tuple[bool, ...]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -1154,16 +1158,12 @@ def later_read(cls: type, func: Any) -> LaterRead | None:
     version's)."""
     if is_library_code(func):
         return None
-    found = func.__globals__
-    paths: list[tuple[str, ...]] = [(g,) for g in global_names(func.__code__)]
-    for g, chain in attribute_chains(func.__code__):
-        if g in found and leads_on(found[g], chain[0]):
-            name = reached_attribute(g, found[g], chain)[0]
-            paths.append(tuple(name.split(".")))
     functions = tuple(
-        p
-        for p in dict.fromkeys(paths)
-        if callable(v := _looked_up(found, p)) and not isinstance(v, (type, types.ModuleType))
+        dict.fromkeys(
+            tuple(name.split("."))
+            for name, v in reached_by_globals(func)
+            if callable(v) and not isinstance(v, (type, types.ModuleType))
+        )
     )
     asks = bool(names_asked(func, cls))
     return LaterRead(cls, func, asks, functions) if asks or functions else None
@@ -1339,11 +1339,9 @@ def _own_globals(where: Mapping[str, Any]) -> bool:
     return _own_source(top, filename if isinstance(filename, str) else "")
 
 
-def _as_the_file_binds(name: str, value: Any, where: Mapping[str, Any] | None) -> bool:
+def _as_the_file_binds(name: str, value: Any, where: Mapping[str, Any]) -> bool:
     """Whether global ``name`` (dotted: through the user's modules) of the globals ``where``
     holds the object its module's file binds it to (:func:`statically_bound`)."""
-    if where is None:
-        return False
     *path, last = name.split(".")
     scope: Any = where
     for part in path:  # ops.act: the module ops's own globals
@@ -2680,7 +2678,7 @@ def module_identity(module: Any) -> str:
     hooks = hook_identity(module)
     ident = f"{ident}\nhooks:{hooks}" if hooks else ident
     left_out: list[tuple[type, str]] = []
-    read = ";".join(row for _, row in forward_reads(module, exact=True, left_out=left_out))
+    read = forward_globals(module, exact=True, left_out=left_out)
     warn_left_out(left_out)
     return f"{ident}\nglobals:{hashlib.sha256(read.encode()).hexdigest()}" if read else ident
 
@@ -2807,13 +2805,9 @@ def own_class_values(cls: type) -> list[Any]:
     replaced on the class is seen. Not their data (settings are read by value, a counter or
     a shape the forward keeps on its class changes at each call: compared by identity, a
     glance would never settle)."""
-    kept = _OWN_IN_MRO.get(cls)
-    if kept is None or kept[0] is not cls.__mro__:
-        class_layout(cls)
-        kept = _OWN_IN_MRO[cls]
     return [
         v
-        for k, mine in zip(cls.__mro__, kept[1], strict=True)
+        for k, mine in _own_in_mro(cls)
         if mine
         for v in vars(k).values()
         if inspect.isroutine(v) or isinstance(v, _METHOD_KINDS)
@@ -2905,17 +2899,29 @@ def _helper_names(func: Any) -> frozenset[str]:
 def _helpers_called(func: Any) -> list[Any]:
     """The user's functions ``func``'s code reaches by a global or through the user's
     modules and classes (``helpers.apply``), as :meth:`HeldReading._globals` reaches them."""
-    found = func.__globals__
-    values = [found.get(g) for g in global_names(func.__code__)]
-    for g, chain in attribute_chains(func.__code__):
-        if g in found and leads_on(found[g], chain[0]):
-            values.append(reached_attribute(g, found[g], chain)[1])
-    helpers = (followed_helper(v) for v in values)
+    helpers = (followed_helper(v) for _, v in reached_by_globals(func))
     return [h for h in helpers if type(h) is types.FunctionType]
 
 
+def reached_by_globals(func: Any) -> list[tuple[str, Any]]:
+    """Each global ``func``'s code reads, and each attribute it reaches by name through the
+    user's modules and classes (:func:`attribute_chains`, :func:`reached_attribute`:
+    ``helpers.apply``, ``ops.gelu``), by its (dotted) name, with what it holds now (``None``
+    for a global not bound)."""
+    found = func.__globals__
+    out = [(g, found.get(g)) for g in global_names(func.__code__)]
+    for g, chain in attribute_chains(func.__code__):
+        if g in found and leads_on(found[g], chain[0]):
+            out.append(reached_attribute(g, found[g], chain))
+    return out
+
+
 def forward_globals(
-    module: Any, *, exact: bool, functions: Iterable[tuple[type, Any]] | None = None
+    module: Any,
+    *,
+    exact: bool,
+    functions: Iterable[tuple[type, Any]] | None = None,
+    left_out: list[tuple[type, str]] | None = None,
 ) -> str:
     """The globals a module's forward reads, by the one rule a hook's are read by
     (:meth:`HeldReading.globals_read`: ``shared.STATE.scale``, a settings dict's items, a
@@ -2938,7 +2944,8 @@ def forward_globals(
         >>> forward_globals(torch.nn.Linear(2, 2), exact=True)
         ''
     """
-    return ";".join(row for _, row in forward_reads(module, exact=exact, functions=functions))
+    rows = forward_reads(module, exact=exact, functions=functions, left_out=left_out)
+    return ";".join(row for _, row in rows)
 
 
 def forward_reads(

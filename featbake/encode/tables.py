@@ -643,7 +643,7 @@ class Table:
         if named is None or urlparse(named).scheme:
             return False
         try:
-            self.cell_paths.file(named, self.files[self.items[rel].file].path)
+            self.named_file(named, self.files[self.items[rel].file].path)
         except SourceError:
             return True
         return False
