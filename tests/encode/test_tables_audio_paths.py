@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -157,20 +158,23 @@ class PathTable:
         )
 
 
-def built_with_others_elsewhere(
+@dataclass
+class BuiltTable:
+    """A :class:`PathTable` built from its project folder (the working directory): its store,
+    the build's report and root items, the encoder, and each clip's features run now."""
+
+    t: PathTable
+    store: Path
+    report: Any
+    built: dict[str, str]
+    module: torch.nn.Module
+    want: dict[int, torch.Tensor]
+
+
+def built_in_project(
     tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
-) -> tuple[
-    PathTable,
-    Path,
-    Any,
-    dict[str, str],
-    torch.nn.Module,
-    dict[int, torch.Tensor],
-    Path,
-    dict[int, Path],
-]:
-    """A :class:`PathTable` built from its project folder, its root's items, the encoder and
-    each clip's features run now, and ``job/`` holding other clips named as rows 0 and 4's."""
+) -> BuiltTable:
+    """A :class:`PathTable` built from its project folder, as :class:`BuiltTable` holds it."""
     t = PathTable(tmp_path)
     monkeypatch.chdir(t.project)
     store = tmp_path / "store"
@@ -178,9 +182,13 @@ def built_with_others_elsewhere(
     _, built = root_of(store, report.root)
     module = encoder_now(encoder_file)
     want = {n: run_now(module, clip_tensor(f)) for n, f in t.files.items()}
+    return BuiltTable(t, store, report, built, module, want)
+
+
+def others_in_job(tmp_path: Path) -> tuple[Path, dict[int, Path]]:
+    """``job/``, holding other clips named as rows 0 and 4's (``clips/c0.wav``, ``c4.wav``)."""
     job = tmp_path / "job"
-    others = {n: write_clip(job / "clips" / f"c{n}.wav", 60 + n, 0.45) for n in (0, 4)}
-    return t, store, report, built, module, want, job, others
+    return job, {n: write_clip(job / "clips" / f"c{n}.wav", 60 + n, 0.45) for n in (0, 4)}
 
 
 # == tests =========================================================================================
@@ -423,13 +431,8 @@ def test_rows_whose_clips_are_gone_in_a_copied_table_are_served_as_built_and_kep
     the dataset serves it as built, the root keeps it, and `gc` keeps its features. Before,
     both rows were refused, the root was published again without them and `gc` freed their
     features."""
-    t = PathTable(tmp_path)
-    monkeypatch.chdir(t.project)
-    store = tmp_path / "store"
-    report = build(t.table, encoder_file, cache=store, workers=0, column="audio")
-    module = encoder_now(encoder_file)
-    want = {n: run_now(module, clip_tensor(f)) for n, f in t.files.items()}
-    _, built = root_of(store, report.root)
+    b = built_in_project(tmp_path, encoder_file, monkeypatch)
+    t, store, report, built, want = b.t, b.store, b.report, b.built, b.want
     copy = tmp_path / "copy.parquet"
     shutil.copyfile(t.table, copy)
     shutil.copyfile(copy, t.table)  # cp back: new modification and change times
@@ -462,13 +465,8 @@ def test_a_row_edited_to_name_another_missing_clip_is_not_served_and_its_feature
     and what to do. Its clip restored, the row is served again (the edit undone, the cell
     naming the clip built). Before, the root was published again without the row and `gc`
     freed its features."""
-    t = PathTable(tmp_path)
-    monkeypatch.chdir(t.project)
-    store = tmp_path / "store"
-    report = build(t.table, encoder_file, cache=store, workers=0, column="audio")
-    module = encoder_now(encoder_file)
-    want = {n: run_now(module, clip_tensor(f)) for n, f in t.files.items()}
-    _, built = root_of(store, report.root)
+    b = built_in_project(tmp_path, encoder_file, monkeypatch)
+    t, store, report, built, want = b.t, b.store, b.report, b.built, b.want
     cells = pq.read_table(t.table).column("audio").to_pylist()
     edited = [*cells[:4], only_path("clips/renamed.wav"), cells[5]]
     write_path_parquet(t.table, edited)
@@ -505,9 +503,9 @@ def test_a_dataset_and_a_rebuild_elsewhere_read_the_clips_built_not_others_of_th
     four rows; the table opened again as built (an export's check) takes them from the
     recorded folder. Before, the other clips were read: the dataset served their features,
     published the root with their keys, and `gc` freed the build's."""
-    t, store, report, built, module, want, job, others = built_with_others_elsewhere(
-        tmp_path, encoder_file, monkeypatch
-    )
+    b = built_in_project(tmp_path, encoder_file, monkeypatch)
+    t, store, report, built, module, want = b.t, b.store, b.report, b.built, b.module, b.want
+    job, others = others_in_job(tmp_path)
     monkeypatch.chdir(job)
     with pytest.warns(UserWarning):
         ds = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
@@ -658,9 +656,9 @@ def test_a_dataset_run_elsewhere_while_the_clips_are_away_never_moves_the_record
     clips back, a dataset and a rebuild from the project read the project's clips, and `gc`
     keeps every feature. Before, the dataset recorded its own directory in the root, and from
     then on the project's own runs served, and a rebuild stored, the other clips' features."""
-    t, store, report, built, module, want, job, others = built_with_others_elsewhere(
-        tmp_path, encoder_file, monkeypatch
-    )
+    b = built_in_project(tmp_path, encoder_file, monkeypatch)
+    t, store, report, built, module, want = b.t, b.store, b.report, b.built, b.module, b.want
+    job, others = others_in_job(tmp_path)
     for n, other in others.items():
         assert not torch.equal(want[n], run_now(module, clip_tensor(other))), n
     (t.project / "clips").rename(t.project / "away")
