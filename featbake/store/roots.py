@@ -376,8 +376,18 @@ def _write_record(
     if not entries:
         unlink_quietly(final)
         return
-    doc = json.dumps({field: entries}, sort_keys=True)
+    _publish_record(layout, final, json.dumps({field: entries}, sort_keys=True), what)
+
+
+def _publish_record(layout: Layout, final: Path, doc: str, what: str) -> None:
+    """Put ``doc`` at ``final`` (its folder made, tmp then rename); ``what`` names the
+    record in the error.
+
+    Raises:
+        StoreError: the store is not writable.
+    """
     try:
+        final.parent.mkdir(parents=True, exist_ok=True)
         publish_file(final, functools.partial(_write_utf8, doc), tmp_dir=layout.tmp)
     except OSError as e:
         raise StoreError(
@@ -594,14 +604,7 @@ def write_padding(layout: Layout, name: str, part: str, record: PaddingRecord) -
     """
     final = padding_file(layout, name, part)
     doc = json.dumps({"inexact": record.inexact, "marks": sorted(record.marks)})
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        publish_file(final, functools.partial(_write_utf8, doc), tmp_dir=layout.tmp)
-    except OSError as e:
-        raise StoreError(
-            f"could not record what this build encodes in {final}: {e.strerror or e}; check "
-            "that the cache directory is writable"
-        ) from e
+    _publish_record(layout, final, doc, "what this build encodes")
     return final
 
 
