@@ -620,6 +620,18 @@ def _unkeyed(key: str, value: Any) -> bool:
     return type(value) in (list, tuple, dict) and bool(contained_tensors(key, value))
 
 
+def _own_compiled_method(module: nn.Module, key: str, value: Any) -> bool:
+    """Whether ``value`` is a TorchScript module's own compiled method, which its
+    ``__getattr__`` keeps in the instance's ``__dict__`` at the first call (``forward`` set on
+    the instance, seen so, made every module keyed apart after its first bare call); its code
+    is the module's, read by its key."""
+    return (
+        isinstance(module, torch.jit.ScriptModule)
+        and isinstance(value, torch.ScriptMethod)
+        and value.name == key
+    )
+
+
 def _versions_in(key: str, value: Any) -> Any:
     """The version of a tensor attribute, or the ids and versions of the tensors inside a
     list, tuple or dict of them (:func:`~featbake.keys.contained_tensors`); None for another
@@ -694,7 +706,7 @@ def structure_read(module: nn.Module) -> Structure:
             row = attribute_row(name, sub, key, value, derived, reads_held)
             if row is not None:
                 plain.append(row)
-            elif _unkeyed(key, value):  # no held value is one (held_attribute)
+            elif _unkeyed(key, value) and not _own_compiled_method(sub, key, value):
                 unkeyed.append(_pinned(value))
                 version = _versions_in(key, value)
                 attributes.append((name, key, id(value), version))
@@ -1311,8 +1323,14 @@ def tree_state(module: nn.Module, *, held: bool) -> TreeState:
     prompt kept as a plain tensor, which a cached row would drop from the graph."""
     training, found = False, []
     trainable: set[int] = set()  # ids: a tied parameter counted once
+    compiled: list[torch.Tensor] = []  # a TorchScript module's, kept alive while ids count
     for sub in module.modules():
         attrs = vars(sub)
+        if isinstance(sub, torch.jit.ScriptModule):  # its mode and parameters live in its `_c`
+            training = training or sub.training
+            compiled.extend(p for p in sub.parameters(recurse=False) if p.requires_grad)
+            trainable.update(id(p) for p in compiled)
+            continue
         training = training or bool(attrs.get("training")) or isinstance(sub, torch.fx.GraphModule)
         trainable.update(id(p) for p in attrs["_parameters"].values() if p is not None
                          and p.requires_grad)  # fmt: skip

@@ -1049,3 +1049,37 @@ def test_a_row_not_finite_as_stored_is_refused_never_returned_or_kept(
         cached.flush()
     with pytest.raises(EncodeError, match=r"^row 0 of the batch: the encoder returned NaN"):
         cached(x)
+
+
+@pytest.mark.parametrize("compile_as", ["trace", "script", "traced-inside-a-module"])
+def test_a_torchscript_encoder_is_cached_watched_and_said_when_trainable(
+    tmp_path: Path, compile_as: str
+) -> None:
+    """A ``torch.jit.trace``d module keeps its parameters in its C++ object, not in
+    ``vars()``: reading its tree state raised ``KeyError: '_parameters'`` at the first call; a
+    scripted one in train mode (``.training`` lives there too) was cached as if in eval mode,
+    and its first bare call (which keeps its compiled ``forward`` on the instance) keyed it
+    apart from then on. Now each is cached, an in-place weight edit is never served stale, and
+    a trainable or train-mode one runs uncached with the warning."""
+    x = waves(3)
+    tiny = TinyConvEncoder()
+    compiled = torch.jit.script(tiny) if compile_as == "script" else torch.jit.trace(tiny, x)
+    enc = Counting(compiled) if compile_as == "traced-inside-a-module" else compiled
+    ce = CachedEncoder(enc, cache=tmp_path / "store")
+    with pytest.warns(UserWarning, match=r"requires_grad_\(False\)"):
+        ce(x)
+    frozen(enc)
+    compiled.train()
+    with pytest.warns(UserWarning, match="training mode"):
+        ce(x)
+    assert ce.cache_info()["encoded"] == 0
+    compiled.eval()
+    first = ce(x)
+    same(first, compiled(x))  # the bare call, as a user's own check would make it
+    same(ce(x), compiled(x))
+    assert ce.cache_info()["encoded"] == 3  # the second call hit
+    with torch.no_grad():
+        next(compiled.parameters()).mul_(2.0)
+    after = ce(x)
+    same(after, compiled(x))
+    assert not torch.equal(first, after) and ce.cache_info()["encoded"] == 6
