@@ -24,6 +24,7 @@ not copy them page by page as reference counts change.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Collection, Mapping, Sequence
@@ -50,7 +51,7 @@ from featbake.keys import feature_key, root_id, sha256_hex
 from featbake.store.catalog import ServingStore
 from featbake.store.containers import split_item_path
 from featbake.store.hash_cache import FileStat
-from featbake.store.roots import Root, RootSpec, read_held, root_file, write_held
+from featbake.store.roots import Root, RootSpec, root_file
 
 __all__ = ["NO_STAT", "Index", "IndexSpec", "ItemPlacement", "build_index", "names_from_parent"]
 
@@ -315,12 +316,10 @@ def recorded_workdir(inputs: Inputs, root: Root | None) -> str:
 
 def record_held(catalog: ServingStore, name: str, inputs: Inputs, held: Mapping[str, str]) -> None:
     """Record ``held`` (row -> key as built) as the table rows root ``name`` keeps but this
-    dataset does not serve (:func:`~featbake.store.roots.write_held`), where that is not
-    what the record says already; nothing for other kinds, or a store without root files."""
-    layout = getattr(catalog, "layout", None)
-    if layout is None or not isinstance(inputs, Table) or read_held(layout, name) == held:
-        return
-    write_held(layout, name, dict(held))
+    dataset does not serve (``ServingStore.record_held``: beside the root, or carried with
+    it by a fragment to every node's tier); nothing for other kinds."""
+    if isinstance(inputs, Table):
+        catalog.record_held(name, held)
 
 
 def _without(
@@ -429,7 +428,7 @@ def untied_rows(
     if not rels:
         return []
     changed = table_files_changed(inputs, root_written(catalog, root))
-    held = held_rows(catalog, root)
+    held = catalog.held(root)
     maybe = [
         r
         for r in rels
@@ -470,21 +469,20 @@ def held_back(
     return set(out)
 
 
-def held_rows(catalog: ServingStore, name: str) -> dict[str, str]:
-    """The rows of root ``name`` a dataset kept back (row -> key as built:
-    :func:`~featbake.store.roots.read_held`); none for a store without root files."""
-    layout = getattr(catalog, "layout", None)
-    return {} if layout is None else read_held(layout, name)
-
-
 def root_written(catalog: ServingStore, name: str) -> float | None:
-    """When root ``name`` was last published here (its manifest file's mtime), or None where
-    that cannot be told (no such file: a bucket's tier that has not brought it in)."""
+    """When root ``name`` was last published: the time its catalog row records
+    (:attr:`~featbake.store.roots.Root.last_used`, which travels with a bucket's catalog
+    versions), or its manifest file's mtime where that is earlier (a file dated back by
+    hand); None where neither can be told. The row's time alone, not the file's: a bucket's
+    fresh tier dates its copy of the manifest when it brought it in, after any edit of the
+    table since the build, which then read as no edit at all."""
+    root = catalog.root(name)
+    times = [] if root is None else [root.last_used]
     layout = getattr(catalog, "layout", None)  # a catalog's or a fragment writer's store
-    try:
-        return None if layout is None else os.stat(root_file(layout, name)).st_mtime
-    except (OSError, ValueError):
-        return None
+    with contextlib.suppress(OSError, ValueError):
+        if layout is not None:
+            times.append(os.stat(root_file(layout, name)).st_mtime)
+    return min(times, default=None)
 
 
 def table_files_changed(inputs: Inputs, when: float | None) -> set[str]:

@@ -51,11 +51,13 @@ from featbake.store.roots import (
     append_root_items,
     held_file,
     items_file,
+    read_held,
     read_undecodable,
     root_file,
     tombstone_file,
     undecodable_file,
     unlink_quietly,
+    write_held,
     write_root_file,
     write_undecodable,
 )
@@ -1886,6 +1888,17 @@ class Catalog(UpkeepRows, RootRows, FeatureRows):
         """The keys ``root``'s last build could not decode (key -> reason); ``{}`` if none."""
         return read_undecodable(self.layout, root)
 
+    def held(self, root: str) -> dict[str, str]:
+        """The table rows of ``root`` a dataset kept back (row -> key as built; ``{}`` if
+        none: store/roots.py's held record)."""
+        return read_held(self.layout, root)
+
+    def record_held(self, root: str, rows: Mapping[str, str]) -> None:
+        """Record ``rows`` (row -> key as built) as the table rows ``root`` keeps but a dataset
+        does not serve, replacing the record where it says otherwise (none: removed)."""
+        if read_held(self.layout, root) != rows:
+            write_held(self.layout, root, dict(rows))
+
     def flush(self) -> None:
         """Nothing to do: each shard's rows were committed as it came."""
 
@@ -2109,6 +2122,10 @@ class ServingStore(CatalogWrites, Protocol):
     def root_items(self, name: str) -> list[RootItem]: ...
 
     def undecodable(self, root: str) -> dict[str, str]: ...
+
+    def held(self, root: str) -> dict[str, str]: ...
+
+    def record_held(self, root: str, rows: Mapping[str, str]) -> None: ...
 
     def hash_rows(self, paths: Sequence[str]) -> dict[str, HashCacheRow]: ...
 

@@ -43,7 +43,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -54,9 +54,9 @@ from featbake.store.claims import ClaimFile
 from featbake.store.fidelity import Measured
 from featbake.store.fragments import (
     BuildInfo,
-    DoneRecord,
     FragmentKind,
     ManifestItem,
+    RootRecords,
     Use,
     build_id,
     fragment_keys,
@@ -68,7 +68,7 @@ from featbake.store.hash_cache import HashCacheRow, HashEntry, HashRow
 from featbake.store.layout import Layout
 from featbake.store.open import place_of
 from featbake.store.place import holds_shard
-from featbake.store.roots import Root, RootItem, RootSpec, read_undecodable
+from featbake.store.roots import Root, RootItem, RootSpec, read_held, read_undecodable
 from featbake.store.shard import SealedShard
 
 T = TypeVar("T")
@@ -127,7 +127,7 @@ class SealContents:
     items: list[ManifestItem]
     encoder: tuple[str, str, str] | None
     hashes: dict[str, HashCacheRow]
-    done: DoneRecord
+    records: RootRecords
     carries: bool
     replaced: frozenset[str] = frozenset()
 
@@ -188,6 +188,7 @@ class FragmentCatalog:
         self._hashes: dict[str, HashCacheRow] = {}
         self._fidelity = ""  # what an int8/fp8 rank measured
         self._undecodable: dict[str, str] = {}  # key -> reason: inputs this rank could not decode
+        self._held: dict[str, dict[str, str]] = {}  # root -> table rows a dataset kept back
         self._pending: dict[str, SealedShard] = {}  # sealed shards no fragment names yet
         self._replacing: set[str] = set()  # keys forgotten, for the next fragment to say so
         # A rank into a bucket: its fragments' batching, the pending shards already uploaded,
@@ -320,6 +321,13 @@ class FragmentCatalog:
     def undecodable(self, root: str) -> dict[str, str]:
         """The keys ``root``'s last build could not decode (see store/roots.py)."""
         return read_undecodable(self.layout, root)
+
+    def held(self, root: str) -> dict[str, str]:
+        """The table rows of ``root`` kept back: as this process recorded them
+        (:meth:`record_held`), else as the catalog version brought them (store/roots.py)."""
+        with self._lock:
+            mine = self._held.get(root)
+        return dict(mine) if mine is not None else read_held(self.layout, root)
 
     def locate_many(self, keys: Sequence[str]) -> dict[str, list[Location]]:
         """key -> its tensors' locations: from the catalog, else from a serve fragment."""
@@ -607,7 +615,7 @@ class FragmentCatalog:
                 # (A batched rank's shards are uploaded already: only the fragment goes now.)
                 path = write_fragment(
                     self.layout, taken.info, kind, shards, taken.items,
-                    list(taken.hashes.values()), taken.uses, taken.done,
+                    list(taken.hashes.values()), taken.uses, taken.records,
                     publish=lambda p: self.place.publish_fragment(p, unsent),
                     replaced=taken.replaced,
                 )  # fmt: skip
@@ -665,14 +673,28 @@ class FragmentCatalog:
             items=self._items if carries else [],
             encoder=self._encoder if carries else None,
             hashes=dict(self._hashes) if carries else {},
-            done=self._done_record() if kind is FragmentKind.DONE else DoneRecord(),
+            records=self._records(kind),
             carries=carries,
             replaced=frozenset(self._replacing),
         )
 
-    def _done_record(self) -> DoneRecord:
-        """What this rank's ``done`` fragment records beyond its rows (``_lock`` held)."""
-        return DoneRecord(self._fidelity, tuple(sorted(self._undecodable.items())))
+    def _records(self, kind: FragmentKind) -> RootRecords:
+        """What a fragment of ``kind`` records of its root beyond its rows (``_lock`` held): a
+        rank's ``done`` fragment, what it measured and could not decode; a ``serve`` one
+        carrying a manifest, the rows its dataset kept back (:meth:`record_held`)."""
+        if kind is FragmentKind.DONE:
+            return RootRecords(self._fidelity, tuple(sorted(self._undecodable.items())))
+        if kind is FragmentKind.SERVE and self._spec is not None:
+            return RootRecords(held=tuple(sorted(self._held.get(self._spec.name, {}).items())))
+        return RootRecords()
+
+    def record_held(self, name: str, rows: Mapping[str, str]) -> None:
+        """Record ``rows`` (row -> key as built) as the table rows root ``name`` keeps but a
+        dataset does not serve: carried by the ``serve`` fragment that carries the root's
+        manifest, and recorded beside the root its merge publishes, so every node's tier
+        gets them with the catalog version (:data:`~featbake.store.roots.CARRIED_RECORDS`)."""
+        with self._lock:
+            self._held[name] = dict(rows)
 
     def _sealed(self, taken: SealContents, path: Path) -> None:
         """Let go of what the fragment at ``path`` holds (``_lock`` held); what was added or

@@ -20,7 +20,10 @@ fragments/<build>.r<rank>-of-<world>.<id>.<kind>.sqlite
               (store/fidelity.py's Measured sums and the bound), pooled by the merge; in a
               ``done`` fragment, ``undecodable``: the keys the rank could not decode (JSON,
               key -> reason; absent in older fragments and where none failed: none recorded),
-              whose union the merge records beside the root (store/roots.py)
+              whose union the merge records beside the root (store/roots.py); in a
+              ``serve`` fragment carrying a table's root, ``held``: the rows its dataset kept
+              in the root but did not serve (JSON, row -> key as built), recorded beside the
+              root the merge publishes from it
     uses      key, used   (kind "serve" only: last-use times, seconds since the epoch)
 ```
 
@@ -101,19 +104,25 @@ class ManifestItem(NamedTuple):
 
 
 @dataclass(frozen=True)
-class DoneRecord:
-    """What a rank's ``done`` fragment says beyond its rows, as meta rows: what an int8/fp8
-    rank measured (``fidelity``: JSON, or "") and the inputs it could not decode
-    (``undecodable``: (key, reason) pairs), so the merge records them for the whole root."""
+class RootRecords:
+    """What a fragment carrying a root manifest says of that root beyond its rows, as meta
+    rows: in a rank's ``done`` fragment, what an int8/fp8 rank measured (``fidelity``: JSON,
+    or "") and the inputs it could not decode (``undecodable``: (key, reason) pairs), so the
+    merge records them for the whole root; in a dataset's ``serve`` fragment, the table rows
+    it kept in the root but did not serve (``held``: (row, key as built) pairs), which the
+    merge records beside the root it publishes (store/roots.py's held record)."""
 
     fidelity: str = ""
     undecodable: tuple[tuple[str, str], ...] = ()
+    held: tuple[tuple[str, str], ...] = ()
 
     def meta(self) -> dict[str, str]:
         """The meta rows it writes (none for what is empty)."""
         out = {"fidelity": self.fidelity} if self.fidelity else {}
         if self.undecodable:
             out["undecodable"] = json.dumps(dict(self.undecodable), sort_keys=True)
+        if self.held:
+            out["held"] = json.dumps(dict(self.held), sort_keys=True)
         return out
 
 
@@ -171,13 +180,25 @@ def replacing_of(path: Path) -> Replacing | None:
 def undecodable_of(meta: dict[str, str]) -> tuple[tuple[str, str], ...]:
     """The (key, reason) pairs a fragment's meta records; none where it records none (a
     fragment written before ranks recorded them) or cannot be read (they are then misses)."""
+    return pairs_of(meta, "undecodable")
+
+
+def held_of(meta: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The (row, key as built) pairs a ``serve`` fragment's meta records as kept back; none
+    where it records none or cannot be read (its rows are then told by the table's status)."""
+    return pairs_of(meta, "held")
+
+
+def pairs_of(meta: dict[str, str], name: str) -> tuple[tuple[str, str], ...]:
+    """Meta row ``name``'s JSON object as sorted (name, value) pairs; none where it is absent
+    or not such an object."""
     try:
-        keys = json.loads(meta.get("undecodable") or "{}")
+        found = json.loads(meta.get(name) or "{}")
     except ValueError:
         return ()
-    if not isinstance(keys, dict):
+    if not isinstance(found, dict):
         return ()
-    return tuple(sorted((str(k), str(v)) for k, v in keys.items()))
+    return tuple(sorted((str(k), str(v)) for k, v in found.items()))
 
 
 class Use(NamedTuple):
@@ -268,6 +289,7 @@ class Fragment:
     fidelity: str = ""  # JSON: what an int8/fp8 rank measured (its done fragment), or ""
     undecodable: tuple[tuple[str, str], ...] = ()  # (key, reason) its rank could not decode
     replaced: frozenset[str] = frozenset()  # keys whose rows here and before are void
+    held: tuple[tuple[str, str], ...] = ()  # (row, key as built) its dataset kept back
 
 
 def build_id(root: str, encoder_fp: str, recipe_fp: str, world: int, listing: Iterable) -> str:
@@ -326,7 +348,7 @@ def write_fragment(  # noqa: PLR0913  (a fragment's parts, and its publish while
     items: Sequence[ManifestItem] = (),
     hashes: Sequence[HashCacheRow] = (),
     uses: Sequence[Use] = (),
-    done: DoneRecord = DoneRecord(),
+    records: RootRecords = RootRecords(),
     publish: Callable[[Path], None] | None = None,
     replaced: Iterable[str] = (),
 ) -> Path:
@@ -349,7 +371,7 @@ def write_fragment(  # noqa: PLR0913  (a fragment's parts, and its publish while
     with contextlib.ExitStack() as hold:
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
-            extra = {"kind": kind.value, **done.meta(), **replaced_meta(replaced)}
+            extra = {"kind": kind.value, **records.meta(), **replaced_meta(replaced)}
             held = hold.enter_context(holding(tmp))  # held while written: no sweep takes it
             _fill(layout, tmp, info, extra, shards, items, hashes, uses)
             os.fsync(held.fd)  # the held descriptor: no second open of the file to close
@@ -456,7 +478,7 @@ def read_fragment(path: Path, layout: Layout, *, with_entries: bool = True) -> F
         fidelity, undecodable = meta.get("fidelity", ""), undecodable_of(meta)
         return Fragment(
             path, info, kind, created, body.shards, items, body.hashes, uses, version, fidelity,
-            undecodable, replaced_of(meta),
+            undecodable, replaced_of(meta), held_of(meta),
         )  # fmt: skip
     except (sqlite3.Error, StoreError, ValueError, KeyError) as e:
         raise StoreCorrupt(

@@ -276,6 +276,7 @@ def _fold_build(
     if current is None or current.last_used <= when:
         items = sorted(item for f in done.values() for item in f.items)
         _publish_root(catalog, info, items, when)
+        catalog.record_held(info.root, {})  # a build decides every row again
         report.roots.append(info.root)
         _record_fidelity(catalog.layout, info.root, list(done.values()))
     if between:
@@ -577,6 +578,7 @@ def _fold_serving(
             )
         current = catalog.root(info.root) if f.items else None
         if f.items and (current is None or current.last_used <= f.created):
+            catalog.record_held(info.root, dict(f.held))  # before the root: never unheld
             _publish_root(catalog, info, f.items, f.created)
             if info.root not in report.roots:
                 report.roots.append(info.root)

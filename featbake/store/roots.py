@@ -442,8 +442,9 @@ def read_undecodable(layout: Layout, name: str) -> dict[str, str]:
 
 
 #: The records beside a root that travel with its published state where that is not this
-#: folder (a bucket store's catalog versions): the undecodable inputs and the measured fidelity.
-CARRIED_RECORDS = (".undecodable", ".fidelity")
+#: folder (a bucket store's catalog versions): the undecodable inputs, the measured fidelity
+#: and the table rows a dataset kept back.
+CARRIED_RECORDS = (".undecodable", ".fidelity", ".held")
 
 
 def carried_records(layout: Layout) -> dict[str, str]:

@@ -37,9 +37,9 @@ from featbake.store.filesystem import SharedFilesystemWarning
 from featbake.store.fragment_catalog import FragmentCatalog, RankPart
 from featbake.store.fragments import (
     BuildInfo,
-    DoneRecord,
     FragmentKind,
     FragmentName,
+    RootRecords,
     fragment_shard_names,
     fragments_dir,
     read_fragment,
@@ -1081,7 +1081,7 @@ def test_a_done_fragment_carries_its_undecodable_inputs_and_older_ones_read_as_n
     layout = Layout(tmp_path / "store").ensure()
     info = BuildInfo("d" * 32, 0, 1, "r", "", "", "", "e" * 64, "", {})
     failed = (("a" * 64, "not audio"), ("b" * 64, "too short"))
-    path = write_fragment(layout, info, FragmentKind.DONE, [], done=DoneRecord("", failed))
+    path = write_fragment(layout, info, FragmentKind.DONE, [], records=RootRecords("", failed))
     assert read_fragment(path, layout).undecodable == failed
     older = write_fragment(layout, info, FragmentKind.DONE, [])
     assert read_fragment(older, layout).undecodable == ()
