@@ -333,12 +333,15 @@ def read_root_file(path: Path) -> tuple[Root, list[RootItem]]:
 # the build and no file its cell names is the one the hash cache keys as built (a row edited
 # to name another clip): such a row keeps its key as built in the root, so gc keeps its
 # features, and is not served (featbake.serve.index). Whether the table file changed is told
-# by the root's manifest file's time, which any later publishing of the root moves (a dataset
-# publishing another row's new key, a repair): so the dataset records the rows it held back,
-# each with its key as built, before it publishes, and a row named here with the key its root
-# still gives it stays held back until the clip its cell names is found or a build drops it.
-# A record left by a root dropped since names keys a later build need not give its rows: one
-# that does is checked by the hash cache as any other row is.
+# by the time the root was last published (its catalog row's, which a bucket's versions carry),
+# which any later publishing of the root moves (a dataset publishing another row's new key, a
+# repair): so the dataset records the rows it held back, each with its key as built, before it
+# publishes, and a row named here with the key its root still gives it stays held back until
+# the clip its cell names is found or a build drops it. On a bucket store the record travels
+# with the root: in the dataset's ``serve`` fragment, then in each catalog version
+# (:data:`CARRIED_RECORDS`), so every node's tier has it. A record left by a root dropped since
+# names keys a later build need not give its rows: one that does is checked by the hash cache
+# as any other row is.
 def held_file(layout: Layout, name: str) -> Path:
     """``roots/<name>.held``: the rows a dataset kept back (row -> its key as built)."""
     return roots_dir(layout) / f"{checked_root_name(name)}.held"
