@@ -714,3 +714,30 @@ def test_a_table_opened_from_a_deleted_working_directory_needs_it_only_for_relat
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     with pytest.raises(FeatbakeError, match="no credentials"):
         Table("s3://bucket/t.parquet")
+
+
+def test_a_row_edited_before_a_repair_writes_the_manifest_anew_is_still_kept_back(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Row 4 edited to name another clip that is not there (its own clip deleted), then the
+    root's manifest file written anew before any dataset opens the table (`featbake verify
+    --repair` rewriting a manifest gone from `roots/`): the root was last published by the
+    build, so the dataset keeps row 4 back. Before, the table's change was told by the manifest
+    file's time, which the repair moved past the edit: row 4 was served the deleted clip's
+    features."""
+    b = built_in_project(tmp_path, encoder_file, monkeypatch)
+    t, store, report = b.t, b.store, b.report
+    cells = t.cells()
+    write_path_parquet(t.table, [*cells[:4], only_path("clips/renamed.wav"), cells[5]])
+    t.files[4].unlink()
+    root_file(Layout(store), report.root).unlink()
+    repaired = invoke("verify", "--cache", store, "--repair")
+    assert repaired.returncode == 10, repaired.stderr  # damage found and repaired
+    assert root_file(Layout(store), report.root).exists()
+    with pytest.warns(UserWarning) as told:
+        ds = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+    lines = [str(w.message) for w in told if "train.parquet:4" in str(w.message)]
+    assert len(lines) == 1 and "stored features are kept, not served" in lines[0], lines
+    assert [ds.item_id(i) for i in range(len(ds))] == [f"train.parquet:{n}" for n in (0, 1, 2)]
+    for i in range(3):
+        assert torch.equal(ds[i], b.want[i]), i
