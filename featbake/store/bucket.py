@@ -46,7 +46,7 @@ from featbake.store.locks import locked
 from featbake.store.merge import MergeReport, merge, merging_alone
 from featbake.store.objects import CLIENT_CONNECTIONS as CLIENT_CONNECTIONS
 from featbake.store.objects import LIST_PAGE_KEYS as LIST_PAGE_KEYS
-from featbake.store.objects import ObjectStore
+from featbake.store.objects import ObjectInfo, ObjectStore
 from featbake.store.place import (
     SWEPT_PREFIX,
     Change,
@@ -700,14 +700,26 @@ class BucketStore(ProcessLocalState):
             ) from e
 
     def sweep(self, plan: Sweep, crash: Callable[[str], None]) -> Swept:
-        """Delete the plan's shard objects, then its retired versions."""
-        self.bucket.delete(h.name for h in plan.shards)
+        """Delete the plan's shard objects, each only as gc's listing saw it (one put again
+        since is kept, and not counted), then its retired versions."""
+        gone = self._swept_shards(plan)
         self.bucket.delete(h.name for h in plan.versions)
         # The tier's leftovers: only what no live process holds, weighed again as it goes,
         # counted by what this sweep removed (not the plan's weights).
         loose = [n for n in map(removed_leftover, plan.loose) if n is not None]
-        objects = sum(h.size for h in (*plan.shards, *plan.versions))
-        return Swept(len(plan.shards), len(loose), len(plan.versions), objects + sum(loose))
+        objects = sum(h.size for h in (*gone, *plan.versions))
+        return Swept(len(gone), len(loose), len(plan.versions), objects + sum(loose))
+
+    def _swept_shards(self, plan: Sweep) -> list[Held]:
+        """The plan's shard objects this sweep deleted: each only while it is the version gc
+        listed (:attr:`~featbake.store.place.Held.version`). Another node building the same
+        inputs with the same encoder puts the same bytes under the same content name, and
+        publishes a fragment naming them: where that put came after gc's listing, the object
+        gc found old and unnamed is the other node's now, and an unconditional delete took it
+        (the next version named a shard the bucket no longer held)."""
+        listed = [ObjectInfo(h.name, h.size, h.modified, h.version) for h in plan.shards]
+        kept = set(self.bucket.delete(listed))
+        return [h for h in plan.shards if h.name not in kept]
 
     def repair_refusal(self) -> str | None:
         return (

@@ -3,7 +3,8 @@
 A bucket store (:mod:`featbake.store.bucket`), bucket inputs and containers in a bucket make
 only the calls of :class:`ObjectStore`: list (paged, with a prefix and a start-after name),
 stat (size, ETag or generation, last change), get whole or a byte range, put (create-only for
-catalog versions; big files in parts), delete. Each scheme's class speaks its cloud through the
+catalog versions; big files in parts), delete (of an object as a listing saw it: only while it
+is still that version). Each scheme's class speaks its cloud through the
 cloud's own client library and turns that library's errors into the same featbake errors:
 absent (``FileNotFoundError`` / None), exists (a create-only put returns False), transient (a
 body cut short: tried again), and one actionable line for everything else (no credentials, no
@@ -39,7 +40,7 @@ import re
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, TypeVar
@@ -104,6 +105,12 @@ class ObjectInfo(NamedTuple):
     size: int
     modified: float
     etag: str
+
+
+def object_name(deleted: str | ObjectInfo) -> str:
+    """The name of an object :meth:`ObjectStore.delete` is given (a name, or an object as a
+    listing saw it)."""
+    return deleted if isinstance(deleted, str) else deleted.name
 
 
 class ListedPage(NamedTuple):
@@ -393,8 +400,25 @@ class ObjectStore(ProcessLocalState):
         """
         raise NotImplementedError
 
-    def delete(self, names: Iterable[str]) -> None:
-        """Delete objects (one that is already gone is no error)."""
+    def delete(self, objects: Iterable[str | ObjectInfo]) -> Sequence[str]:
+        """Delete objects: one named by its name whatever it holds, one given as an
+        :class:`ObjectInfo` (as a listing or a stat saw it) only while it is still that version;
+        the names of those kept because they were put again since. One already gone is no error
+        (nor kept: a condition refused for want of any version is asked about with a HEAD).
+
+        The condition is each cloud's own: GCS ``ifGenerationMatch`` (the generation), Azure
+        ``If-Match`` (the ETag; both change with every put, the same bytes too). S3's
+        general-purpose buckets condition a delete on the ETag alone, which the same bytes put
+        again keep: there a HEAD first keeps an object whose ETag differs or whose last change
+        is later than the one seen (:meth:`S3Objects.put_again_since`), the delete following it
+        unconditional. gc's sweep deletes content-named shards this way: another node may put
+        the same bytes again, and publish a fragment naming them, after gc listed them.
+
+        Example:
+            >>> listed = b.list("shards/")  # doctest: +SKIP
+            >>> b.delete(listed)  # doctest: +SKIP
+            ['shards/ab/ab12.safetensors']
+        """
         raise NotImplementedError
 
     def translate(self, name: str, e: BaseException) -> None:
@@ -953,14 +977,31 @@ class S3Objects(ObjectStore):
         else:  # multipart above boto3's threshold
             self.client.upload_file(os.fspath(src), self.url.bucket, self.key(name))
 
-    def delete(self, names: Iterable[str]) -> None:
-        batch = list(names)
-        for i in range(0, len(batch), 1000):
-            objects = [{"Key": self.key(n)} for n in batch[i : i + 1000]]
-            with self.errors(batch[i]):
+    def delete(self, objects: Iterable[str | ObjectInfo]) -> Sequence[str]:
+        batch = list(objects)
+        kept = [o.name for o in batch if isinstance(o, ObjectInfo) and self.put_again_since(o)]
+        put_since = frozenset(kept)
+        names = [n for n in map(object_name, batch) if n not in put_since]
+        for i in range(0, len(names), 1000):
+            keys = [{"Key": self.key(n)} for n in names[i : i + 1000]]
+            with self.errors(names[i]):
                 self.client.delete_objects(
-                    Bucket=self.url.bucket, Delete={"Objects": objects, "Quiet": True}
+                    Bucket=self.url.bucket, Delete={"Objects": keys, "Quiet": True}
                 )
+        return kept
+
+    def put_again_since(self, seen: ObjectInfo) -> bool:
+        """Whether object ``seen`` was put again since it was seen so (a HEAD now): its ETag
+        differs, or its last change is a second or more later.
+
+        S3's general-purpose buckets condition a delete on the ETag alone (``If-Match``), and
+        an object's ETag is its bytes' digest: the same bytes put again, as another node puts a
+        content-named shard, keep it. Their last change is what moves; a listing's and a HEAD's
+        are not always the same to the millisecond (a HEAD says whole seconds), so a second
+        later is put again. What a HEAD cannot see is a put between it and the delete.
+        """
+        now = self.head(seen.name)
+        return now is not None and (now.etag != seen.etag or now.modified - seen.modified >= 1)
 
     def translate(self, name: str, e: BaseException) -> None:
         from botocore import exceptions as bx
@@ -1371,10 +1412,20 @@ class GCSObjects(ObjectStore):
         condition = {"if_generation_match": 0} if create else {}
         blob.upload_from_filename(os.fspath(src), **condition, **self._options())
 
-    def delete(self, names: Iterable[str]) -> None:
-        for name in names:
+    def delete(self, objects: Iterable[str | ObjectInfo]) -> Sequence[str]:
+        return [object_name(o) for o in objects if self._kept_from_delete(o)]
+
+    def _kept_from_delete(self, deleted: str | ObjectInfo) -> bool:
+        """Delete one object (given as seen: only that generation, ``ifGenerationMatch``);
+        whether it was kept instead, another generation there now."""
+        name = object_name(deleted)
+        seen = {} if isinstance(deleted, str) else {"if_generation_match": int(deleted.etag)}
+        try:
             with contextlib.suppress(Absent), self.errors(name):
-                self.client.delete_blob(self.key(name), **self._options())
+                self.client.delete_blob(self.key(name), **seen, **self._options())
+        except Exists:  # 412: another generation there now, or none (gone already)
+            return self.head(name) is not None
+        return False
 
     def translate(self, name: str, e: BaseException) -> None:
         import requests
@@ -1715,10 +1766,25 @@ class AzureObjects(ObjectStore):
         with open(src, "rb") as f:
             blob.upload_blob(f, length=os.fstat(f.fileno()).st_size, overwrite=not create)
 
-    def delete(self, names: Iterable[str]) -> None:
-        for name in names:
+    def delete(self, objects: Iterable[str | ObjectInfo]) -> Sequence[str]:
+        return [object_name(o) for o in objects if self._kept_from_delete(o)]
+
+    def _kept_from_delete(self, deleted: str | ObjectInfo) -> bool:
+        """Delete one blob (given as seen: only that ETag, ``If-Match``); whether it was kept
+        instead, put again since."""
+        from azure.core import MatchConditions
+
+        name = object_name(deleted)
+        seen: dict[str, Any] = {}
+        if not isinstance(deleted, str):
+            etag = f'"{deleted.etag}"'  # quoted, as the service gave it (ObjectInfo's is bare)
+            seen = {"etag": etag, "match_condition": MatchConditions.IfNotModified}
+        try:
             with contextlib.suppress(Absent), self.errors(name):
-                self.client.delete_blob(self.key(name))
+                self.client.delete_blob(self.key(name), **seen)
+        except Exists:  # 412 ConditionNotMet: another ETag there now, or none (gone already)
+            return self.head(name) is not None
+        return False
 
     def translate(self, name: str, e: BaseException) -> None:
         from azure.core import exceptions as zx

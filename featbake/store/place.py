@@ -74,11 +74,14 @@ class Change(Generic[T]):
 
 class Held(NamedTuple):
     """Something a place holds that gc may sweep: how the place names it (a file's path, an
-    object's name), its bytes, and its last change (epoch s)."""
+    object's name), its bytes, its last change (epoch s), and, for an object, its version tag
+    as listed (the ETag, the generation: ``""`` for a file), which the sweep deletes only while
+    it is still that version (another node may have put the same content-named bytes again)."""
 
     name: str
     size: int
     modified: float
+    version: str = ""
 
 
 def held_folder(folder: Path) -> Held | None:

@@ -104,7 +104,7 @@ def sweep(
         if (n := version_of(o.name)) is not None and n not in named_by
     )
     named = set(pending).union(*named_by.values())
-    held = [Held(o.name, o.size, o.modified) for o in shards]
+    held = [Held(o.name, o.size, o.modified, o.etag) for o in shards]
     doomed, young = unnamed_past(held, _object_shard, named, now, retention)
     return Sweep(tuple(doomed), (), old, young, age="retention period", versioned=True)
 
