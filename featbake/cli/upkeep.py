@@ -1056,7 +1056,7 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
     opened, one warning and no row columns (``strict``: a refusal)."""
 
     def rows_for(root: Any) -> Any:
-        from featbake.encode.inputs import DigestView, inputs_at
+        from featbake.encode.inputs import DigestView, gone_files, inputs_at
         from featbake.encode.sources import source_extensions
         from featbake.errors import ConfigError, FeatbakeError
         from featbake.export.source import RootData
@@ -1095,7 +1095,10 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
             return {named[full]: digest for full, digest in now.items()} | gone
 
         return RootData(
-            lambda path: inputs.row(path) if path in listed else None, digests, frozenset(listed)
+            lambda path: inputs.row(path) if path in listed else None,
+            digests,
+            frozenset(listed),
+            lambda paths: gone_files(inputs, paths),
         )
 
     return rows_for

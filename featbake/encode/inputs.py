@@ -585,12 +585,13 @@ def falling_back_to(inputs: Inputs, build_workdir: str) -> None:
     """Give ``inputs`` (opened in this process's working directory) ``build_workdir``, the
     folder its root's build took relative paths from
     (:attr:`featbake.store.roots.Root.workdir`). A Kaldi folder or a cut manifest takes a
-    relative path it does not find here from there: a dataset run from another directory
-    then reads a file changed since its build as it is now, where it would otherwise serve it
-    as built. A table takes its path-only cells' relative paths from there first (then its
-    own folder, then here): its rows are the files its build read, not other files of the
-    same names here (``datasets`` writes a table's paths as they were given, relative to
-    where the table was made). Set before the scan; nothing for other kinds."""
+    relative path it does not find here from there: a rebuild run from another directory
+    then reads every file its last build read (a dataset takes them from there alone:
+    :func:`read_as_built`). A table takes its path-only cells' relative paths from there
+    first (then its own folder, then here): its rows are the files its build read, not
+    other files of the same names here (``datasets`` writes a table's paths as they were
+    given, relative to where the table was made). Set before the scan; nothing for other
+    kinds."""
     if takes_paths_from_workdir(inputs):
         assert isinstance(inputs, PathsFromWorkdir)
         inputs.build_workdir = build_workdir
@@ -599,12 +600,16 @@ def falling_back_to(inputs: Inputs, build_workdir: str) -> None:
 def read_as_built(inputs: Inputs, build_workdir: str) -> None:
     """Give a dataset's ``inputs`` ``build_workdir``, the folder its root's build took
     relative paths from, as :func:`falling_back_to` does; a table's path-only cells' relative
-    paths are then taken from there and beside the table only. A clip found in neither is
-    gone (its row's stored features served as built, or kept back: featbake.serve.index),
-    not read from another file of the same name in this process's working directory, which
-    its build did not read. Set before the scan."""
+    paths are then taken from there and beside the table only, a Kaldi folder's and a cut
+    manifest's from there only (the folder their build read, whatever this process's
+    working directory holds). A file found in none of them is gone (its row's stored
+    features served as built, or kept back: featbake.serve.index), not read from another file
+    of the same name in this process's working directory, which its build did not read; the
+    root the dataset publishes keeps recording ``build_workdir``. Set before the scan."""
+    from featbake.encode.manifests import RowInputs
+
     falling_back_to(inputs, build_workdir)
-    if isinstance(inputs, Table):
+    if isinstance(inputs, (Table, RowInputs)):
         inputs.reads_here = False
 
 
@@ -647,6 +652,32 @@ def input_gone(inputs: Inputs, rel: str, listed: bool) -> bool:
     else:
         file = inputs.path(rel) if isinstance(inputs, Folder) else None
     return file is not None and not bytes_at(file).remote and not os.path.lexists(file)
+
+
+def gone_files(inputs: Inputs, rels: Sequence[str]) -> dict[str, list[str]]:
+    """Of items ``rels`` whose inputs are gone (:func:`input_gone`), the files each one's row
+    names now as its input, by which the hash cache may know what its build read: a manifest's
+    whole-file row's file; a table's path-only cell's file at each place it is looked for at
+    (:meth:`~featbake.encode.tables.Table.cell_files`). An export checks them as a dataset does
+    (a row changed since its build to name a file since deleted is not given another file's
+    features). A segment is left out (its key needs its file's header, gone with it), as is
+    every other kind (a folder's item names its file: it cannot come to name another)."""
+    from featbake.encode.manifests import RowInputs
+
+    out: dict[str, list[str]] = {}
+    for rel in rels:
+        if not input_gone(inputs, rel, listed=True):
+            continue
+        if isinstance(inputs, Table):
+            files = inputs.cell_files(rel)
+        elif isinstance(inputs, RowInputs) and (item := inputs.items.get(rel)) is not None:
+            whole = item.span is None and item.effects is None
+            files = [item.file] if whole else []
+        else:
+            files = []
+        if files:
+            out[rel] = files
+    return out
 
 
 def takes_paths_from_workdir(inputs: Inputs) -> bool:

@@ -20,7 +20,8 @@ Three layouts name their items this way (``--data`` picks one, see
   ``offset`` + ``duration`` as NeMo's ``AudioSegment.from_file`` truncates them (a read past
   the file's end stopping at it, as NeMo's does).
 * :class:`KaldiInputs`: a Kaldi data folder. ``wav.scp`` maps recording ids to files (a relative
-  path is taken from the working directory, as Kaldi's scripts take it); with a
+  path is taken from the working directory, as Kaldi's scripts take it; a dataset over a built
+  root takes it from the folder the build took it from, :attr:`RowInputs.reads_here`); with a
   ``segments`` file each utterance is a segment (``utt rec start end [channel]``; ``end`` -1,
   Kaldi's convention, runs to the recording's end; a channel picks one) and its id is the
   utterance id, else each recording is an item under its id. ``text`` and ``utt2spk`` are carried.
@@ -485,14 +486,23 @@ class RowInputs:
         #: ``""`` where its paths do not depend on it.
         self.workdir = (workdir or os.getcwd()) if self.paths_from_workdir else ""
         self.workdir_recorded = bool(workdir)  # a build's, not this process's own
-        #: The folder the root's build took relative paths from, where a dataset opens the data
-        #: from another working directory (set before the scan): a relative path not found
-        #: from :attr:`workdir` is taken from there, so a file changed since its build is read
-        #: as it is now rather than served as built (:meth:`ToolPaths.file`).
+        #: The folder the root's last build took relative paths from, where a rebuild or a
+        #: dataset opens the data from another working directory (set before the scan): a
+        #: rebuild takes a relative path not found from :attr:`workdir` from there
+        #: (:meth:`ToolPaths.file`), so it reads every file its last build read; a dataset takes
+        #: them from there alone (:attr:`reads_here`).
         self.build_workdir = ""
+        #: Whether a relative path is looked for from :attr:`workdir` before
+        #: :attr:`build_workdir`: a build's is (Kaldi and lhotse read it there); a dataset's
+        #: is not (:func:`~featbake.encode.inputs.read_as_built`): it takes relative paths
+        #: from the build's folder alone, so it reads the files its root's build read, and a
+        #: file gone from there is gone (served as built), not another file of the same name
+        #: in this process's working directory.
+        self.reads_here = True
         #: The folder the last scan took relative paths from, for a root to record: the
         #: build's (:attr:`build_workdir`) where every relative path found was found only
-        #: there, else :attr:`workdir`.
+        #: there, or where relative paths were taken from it alone (a dataset never moves its
+        #: root's record), else :attr:`workdir`.
         self.found_in = self.workdir
         self._finder: ToolPaths | None = None  # the last parse's, until its scan reads it
         self.items: dict[str, Item] = {}  # id -> item, in the manifest's order (after scan)
@@ -504,10 +514,15 @@ class RowInputs:
 
     def tool_paths(self, manifest: str) -> ToolPaths:
         """The finder of the files ``manifest`` names relative to the working directory (a
-        parse's), kept until its scan reads where it found them (:attr:`found_in`)."""
-        self._finder = ToolPaths(
-            manifest, self.workdir, recorded=self.workdir_recorded, build=self.build_workdir
-        )
+        parse's), kept until its scan reads where it found them (:attr:`found_in`): from the
+        build's folder alone where the data is read as built (:attr:`reads_here` off), else
+        from :attr:`workdir`, then the build's folder."""
+        if self.build_workdir and not self.reads_here:
+            self._finder = ToolPaths(manifest, self.build_workdir, recorded=True)
+        else:
+            self._finder = ToolPaths(
+                manifest, self.workdir, recorded=self.workdir_recorded, build=self.build_workdir
+            )
         return self._finder
 
     @property
@@ -531,7 +546,7 @@ class RowInputs:
         parsed = self.parse()
         finder, self._finder = self._finder, None  # not pickled into workers: a path per file
         if finder is not None:
-            self.found_in = finder.build if finder.at_build and not finder.here else self.workdir
+            self.found_in = finder.build if finder.at_build and not finder.here else finder.cwd
         # Filled in place: a source made before the scan (the build makes it first) sees them.
         self.items.clear()
         self.by_path.clear()
@@ -1417,9 +1432,10 @@ class ToolPaths:
             (:attr:`featbake.store.roots.Root.workdir`): the data is opened again, maybe from
             elsewhere (a bad row's line names it so).
         build: the folder the root's build took relative paths from, where it is not
-            ``workdir`` (a dataset opened from another directory): a relative path missing
+            ``workdir`` (a rebuild run from another directory): a relative path missing
             from ``workdir`` is taken from there (where the bytes the store holds features of
-            were read), so a file changed since is read as it is, not served as built.
+            were read), so a file changed since is read as it is, not served as built. A
+            dataset is given no ``build``: its ``workdir`` is the build's folder itself.
     """
 
     def __init__(

@@ -65,6 +65,13 @@ RowsOf = Callable[[str], Mapping[str, Any] | None]
 #: writing nothing to it; an item that cannot be read now is left out of the answer.
 DigestsOf = Callable[[Sequence[str], HashCache], Mapping[str, str]]
 
+#: The files each of some listed items whose inputs are gone now (``paths``: item paths) names
+#: as its input (a manifest's whole-file row's file; a table's path-only cell's file at each
+#: place it is looked for at), by which the hash cache may know what its build read: an item
+#: whose key needs more than one file's bytes (a segment: its file's header is gone with it)
+#: is left out of the answer.
+GoneFilesOf = Callable[[Sequence[str]], Mapping[str, Sequence[str]]]
+
 #: The "digest" :data:`DigestsOf` gives an item whose row the data lists and whose file reads
 #: but holds no such input now (a segment past the end of a recording rewritten shorter): it
 #: keys to no stored feature (a build keys none from it), so the item is changed.
@@ -82,6 +89,9 @@ class RootData:
     #: every item the data lists now, by its path as a manifest names it (those the root
     #: lacks were added since the build: counted, never exported)
     listed: frozenset[str] = frozenset()
+    #: the files gone items name now (:data:`GoneFilesOf`), each checked against the hash
+    #: cache's last row of it (:func:`gone_keyed_otherwise`); None: gone items are unchecked
+    gone_files: GoneFilesOf | None = None
 
 
 #: A chosen root's data now, or None where its inputs cannot be opened (export/ never opens
@@ -863,15 +873,48 @@ def checked_items(
     key. The digests come through the catalog's hash cache, as a build's do: an input whose
     stat is unchanged since it was hashed is not read again (a stat per file); one changed,
     or never hashed into this catalog, is read whole.
+
+    An item whose input is gone (its file deleted) is exported as built unless the hash cache
+    tells it is not the input its features were made from (:func:`gone_keyed_otherwise`: a row
+    changed since the build to name another file, since deleted), as a dataset leaves such a
+    row out (``featbake.serve.index``).
     """
     catalog = Catalog(src.layout)
     try:
         now = data.digests(listed, catalog)
+        unread = [(p, k) for p, k in src.present if p not in now]
+        still = set(listed)  # the unlisted ones have no row to name a file
+        gone = [(p, k) for p, k in unread if p in still]
+        otherwise = gone_keyed_otherwise(src.root, data, gone, catalog)
     finally:
         catalog.close()
     fps = (src.root.encoder_fp, src.root.recipe_fp)
-    changed = [p for p, k in src.present if p in now and feature_key(*fps, now[p]) != k]
-    return changed, [p for p, _ in src.present if p not in now]
+    changed = [
+        p for p, k in src.present if (p in now and feature_key(*fps, now[p]) != k) or p in otherwise
+    ]
+    return changed, [p for p, _ in unread if p not in otherwise]
+
+
+def gone_keyed_otherwise(
+    root: Root, data: RootData, items: Sequence[tuple[str, str]], catalog: Catalog
+) -> set[str]:
+    """Of ``items`` (path, key) whose inputs cannot be read now, those whose input is gone and
+    whose row names files the hash cache knows, none of them keyed as the item is: the row
+    names another file since the build (a manifest row rewritten to name a file deleted
+    since), so its stored features are another input's. The hash cache's last row of a file
+    is taken trusted or not (the file is gone: no stat of it now can disagree). An item whose
+    files the hash cache never knew stays unchecked (exported as built)."""
+    if data.gone_files is None or not items:
+        return set()
+    named = data.gone_files([p for p, _ in items])
+    known = catalog.hash_rows(sorted({f for files in named.values() for f in files}))
+    fps = (root.encoder_fp, root.recipe_fp)
+    out = set()
+    for path, key in items:
+        keys = {feature_key(*fps, known[f].sha256) for f in named.get(path, ()) if f in known}
+        if keys and key not in keys:
+            out.add(path)
+    return out
 
 
 @dataclass(frozen=True)

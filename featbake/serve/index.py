@@ -7,11 +7,10 @@ fingerprint). Input files are looked up in the hash cache; a changed file is has
 gets its new key (which then misses and is encoded), an input gone since the build (a file
 deleted, a member no longer listed) keeps its manifest key and is still served from the store;
 one still there that cannot be read as it is now is not (:func:`_as_built`). A Kaldi
-folder's or a cut manifest's relative path not found from this process's working directory is
-read where the build read it (the root's ``workdir``), so only a file gone from both is served
-as built; a table's path-only cells' relative paths are taken from there and beside the table
-only (never from this process's working directory, and a dataset never moves the folder its
-root records: :func:`recorded_workdir`). A table row whose clip is not found, in a table file
+folder's or a cut manifest's relative paths are read where the build read them (the root's
+``workdir``) and a table's path-only cells' from there and beside the table, never from this
+process's working directory where a folder is recorded; a dataset never moves the folder its
+root records (:func:`recorded_workdir`). A table row whose clip is not found, in a table file
 changed since the build (or a row a dataset kept back before), is served as built where the
 file its cell names is the one the hash cache keys as built; else it is kept in the root but
 not served, and recorded so (:func:`untied_rows`, :func:`held_back`, :func:`record_held`).
@@ -525,10 +524,9 @@ def _built_root(
     catalog: ServingStore, name: str, spec: IndexSpec, inputs: Inputs
 ) -> tuple[Root | None, dict[str, str]]:
     """The root named ``name`` (none if no build made it) and its items' keys by name (none
-    unless it was built by this encoder). A Kaldi folder or cut manifest is told the folder
-    its build took relative paths from, for the paths it does not find from here; a table
-    takes its path-only cells' relative paths from there and beside it only
-    (:func:`~featbake.encode.inputs.read_as_built`)."""
+    unless it was built by this encoder). The inputs are told the folder its build took
+    relative paths from, and read them from there (a table's path-only cells also beside it),
+    not from here (:func:`~featbake.encode.inputs.read_as_built`)."""
     root = catalog.root(name)
     if root is None:
         return None, {}

@@ -291,14 +291,14 @@ def test_a_rebuild_from_another_directory_keeps_the_root_and_its_features(
 def test_a_kaldi_dataset_from_another_directory_serves_features_of_the_bytes_it_names(
     encoder_file: Path, store_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A dataset takes a Kaldi folder's relative paths from the working directory, as Kaldi
-    and lhotse do; a path not found there is taken from the folder the build took it from
-    (the root's record), where the bytes the store holds features of were read. Built from
-    ``tmp_path``, clip 1 rewritten since, clip 2 deleted since; the dataset made from a folder
-    that holds another file at clip 0's relative path and nothing at the others'. Row 0 is
-    the features of the file it names from here (a miss, encoded live), row 1 of clip 1's
-    bytes now (read from the build's folder: before, it was served as built, the features of
-    its old bytes), row 2 as built (its file is gone from both, as a deleted file is)."""
+    """A dataset takes a Kaldi folder's relative paths from the folder the build took them
+    from (the root's record), where the bytes the store holds features of were read, whatever
+    its own working directory holds. Built from ``tmp_path``, clip 1 rewritten since, clip 2
+    deleted since; the dataset made from a folder that holds another file at clip 0's
+    relative path and nothing at the others'. Row 0 is clip 0's features (since
+    round twenty-six; before, the other file's, a miss encoded live), row 1 of clip 1's bytes
+    now (read from the build's folder: before round seventeen, it was served as built, the
+    features of its old bytes), row 2 as built (its file is gone, as a deleted file is)."""
     from featbake.serve.dataset import CachedFeatureDataset
 
     monkeypatch.chdir(tmp_path)
@@ -319,7 +319,8 @@ def test_a_kaldi_dataset_from_another_directory_serves_features_of_the_bytes_it_
     ds = CachedFeatureDataset(kaldi, encoder_file, cache=store_dir)
     live = Live()
     assert [ds.item_id(i) for i in range(len(ds))] == ["r0", "r1", "r2"]
-    torch.testing.assert_close(ds[0], live(encoder_file, other))
+    torch.testing.assert_close(ds[0], live(encoder_file, clips[0]))
+    assert ds[0].shape != live(encoder_file, other).shape
     torch.testing.assert_close(ds[1], live(encoder_file, clips[1]))
     assert not torch.allclose(ds[1], live(encoder_file, old1))
     torch.testing.assert_close(ds[2], live(encoder_file, old2))
