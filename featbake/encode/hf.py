@@ -35,18 +35,21 @@ from featbake.encode.hf_folders import (
     PREPROCESSOR_FILE,
     DenseLayer,
     Normalizing,
+    PromptedTokenizer,
     SentenceModuleUnsupported,
     SentencePipeline,
     image_recipe_for_folder,
     is_sentence_folder,
     is_text_folder,
     is_vision_folder,
+    load_tokenizer,
     processor_settings,
     read_config,
     sentence_files_digest,
     sentence_pipeline,
     text_recipe_for_folder,
     tower_config,
+    transformer_folder,
     transformer_subfolder,
 )
 from featbake.encode.outputs import layers_to_run, part_name, resolve_layers
@@ -151,8 +154,11 @@ class HFVisionEncoder(nn.Module):
 #   final-layernormed end-of-text token) ``[D]``; T5's encoder has none;
 # * ``text_embeds``: CLIPTextModelWithProjection's projection of ``pooled`` ``[D']``;
 # * ``sentence_embedding``: a sentence-transformers folder's (``modules.json``) embedding, as
-#   ``SentenceTransformer.encode`` returns it: its pooling of ``tokens`` under the attention mask,
-#   then its dense layers and normalisation (:class:`SentenceHead`) ``[D']``;
+#   ``SentenceTransformer.encode`` returns it: its pooling of ``tokens`` under the attention mask
+#   (its default prompt is put before each text by the recipe's tokenizer, and its tokens left
+#   out of the pooling where the pooling says ``include_prompt: false``), then its dense layers
+#   and normalisation, then its ``truncate_dim`` (:class:`SentenceHead`) ``[D']``; the
+#   transformer is read from ``0_Transformer/`` where the folder is of that older layout;
 # * ``layer6`` ...: ``hidden_states[6]`` with ``--layers``.
 TEXT_EMBEDS = "text_embeds"
 SENTENCE_EMBEDDING = "sentence_embedding"
@@ -173,8 +179,11 @@ def text_class_name(config: dict[str, Any]) -> str:
 
 
 def _pool_cls(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The first token's row (rows are padded on the right, so it is never padding)."""
-    return tokens[:, 0]
+    """The first pooled token's row: the first row (rows are padded on the right) where no
+    prompt is left out, else the first after it; the first row where the mask holds none (a
+    text all prompt), as sentence-transformers takes it."""
+    first = mask.to(torch.int).argmax(dim=1)
+    return tokens[torch.arange(tokens.shape[0], device=tokens.device), first]
 
 
 def _pool_max(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -208,9 +217,13 @@ def _pool_weighted_mean(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
 
 
 def _pool_last_token(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The text's last token's row."""
-    last = (mask.sum(dim=1) - 1).clamp(min=0)
-    return tokens[torch.arange(tokens.shape[0], device=tokens.device), last]
+    """The text's last pooled token's row; zeros where the mask holds none (a text all prompt
+    its pooling leaves out), as sentence-transformers gives."""
+    width = tokens.shape[1]
+    held, from_end = mask.flip(1).to(torch.int).max(dim=1)
+    last = width - 1 - torch.where(held == 0, width - 1, from_end)
+    rows = tokens[torch.arange(tokens.shape[0], device=tokens.device), last]
+    return rows * held[:, None].to(tokens.dtype)
 
 
 #: sentence-transformers' pooling modes, each over ``tokens [B, N, D]`` and ``mask [B, N]``.
@@ -253,22 +266,42 @@ class SentenceNormalize(nn.Module):
 class SentenceHead(nn.Module):
     """A sentence-transformers folder's modules after its transformer: ``forward(tokens, mask)``
     pools the token rows by each mode (concatenated in order), then runs the dense layers and
-    normalisation in turn, as ``SentenceTransformer.encode`` does."""
+    normalisation in turn, then keeps the first ``truncate_dim`` values, as
+    ``SentenceTransformer.encode`` does.
 
-    def __init__(self, pooling: tuple[str, ...], after: list[nn.Module]) -> None:
+    Args:
+        skip: tokens at the start of each text the pooling leaves out (the default prompt's,
+            with ``include_prompt: false``); the transformer still reads them.
+        truncate_dim: values kept of each embedding (None: all), with no normalising after.
+    """
+
+    def __init__(
+        self,
+        pooling: tuple[str, ...],
+        after: list[nn.Module],
+        *,
+        skip: int = 0,
+        truncate_dim: int | None = None,
+    ) -> None:
         super().__init__()
         self.pooling = pooling
         self.after = nn.ModuleList(after)
+        self.skip = skip
+        self.truncate_dim = truncate_dim
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.skip:
+            positions = torch.arange(mask.shape[1], device=mask.device)
+            mask = mask & (positions >= self.skip)[None, :]
         x = torch.cat([POOLINGS[mode](tokens, mask) for mode in self.pooling], dim=-1)
         for module in self.after:
             x = module(x)
-        return x
+        return x if self.truncate_dim is None else x[..., : self.truncate_dim]
 
 
 def sentence_head(folder: Path, pipeline: SentencePipeline) -> SentenceHead:
-    """The torch modules of ``pipeline``, dense weights loaded from the folder.
+    """The torch modules of ``pipeline``, dense weights loaded from the folder, the prompt's
+    tokens left out of the pooling where it says so (:func:`prompt_tokens_left_out`).
 
     Raises:
         SentenceModuleUnsupported: an activation that is no torch activation, or dense weights
@@ -288,7 +321,28 @@ def sentence_head(folder: Path, pipeline: SentencePipeline) -> SentenceHead:
                 f"({' '.join(str(e).split())[:200]}); save the model again"
             ) from e
         after.append(dense.eval())
-    return SentenceHead(pipeline.pooling, after)
+    skip = prompt_tokens_left_out(folder, pipeline)
+    return SentenceHead(pipeline.pooling, after, skip=skip, truncate_dim=pipeline.truncate_dim)
+
+
+def prompt_tokens_left_out(folder: Path, pipeline: SentencePipeline) -> int:
+    """How many tokens at the start of each text the pooling leaves out: none unless the
+    folder has a default prompt and its pooling says ``include_prompt: false``; then the
+    prompt's, counted as sentence-transformers counts them: the prompt alone tokenised as a
+    text is (special tokens, cut at the folder's ``max_length``), less a special token at its
+    end (``[SEP]``), so ``[CLS]`` and the prompt's own tokens are left out.
+
+    Raises:
+        EncoderLoadError: the folder's tokenizer cannot be read.
+    """
+    if pipeline.include_prompt or not pipeline.prompt:
+        return 0
+    steps = text_recipe_for_folder(folder)
+    tokenizer = load_tokenizer(folder)
+    own = tokenizer.tokenizer if isinstance(tokenizer, PromptedTokenizer) else tokenizer
+    ids = own(pipeline.prompt, truncation=True, max_length=steps.max_length)["input_ids"]
+    special = set(getattr(own, "all_special_ids", ()) or ())
+    return len(ids) - 1 if ids and ids[-1] in special else len(ids)
 
 
 def activation_module(name: str, where: Path) -> nn.Module:
@@ -408,8 +462,9 @@ def _load_text_model(folder: Path) -> Any:  # a transformers PreTrainedModel
 def _text_encoder(
     path: Path, layers: tuple[int, ...] | str | None, device: str | torch.device
 ) -> LoadedEncoder:
-    """A text folder's model as a lengths-protocol encoder (its tokenizer is in the recipe)."""
-    model = _load_text_model(path)
+    """A text folder's model as a lengths-protocol encoder (its tokenizer is in the recipe); a
+    sentence-transformers folder's transformer read where it is (:func:`transformer_folder`)."""
+    model = _load_text_model(transformer_folder(path))
     num = int(getattr(model.config, "num_hidden_layers", 0) or 0)
     chosen = None if layers is None else resolve_layers(layers, num)
     projection = getattr(model, "text_projection", None)
@@ -494,8 +549,9 @@ def _sampling_rate(path: str, value: object) -> int:
 
 
 def is_hf_folder(spec: str | os.PathLike[str]) -> bool:
-    """A directory holding a ``config.json``."""
-    return (Path(spec) / "config.json").is_file()
+    """A directory holding a ``config.json``, or a sentence-transformers folder whose
+    transformer's subfolder holds one (``0_Transformer/``: :func:`transformer_folder`)."""
+    return (transformer_folder(spec) / "config.json").is_file()
 
 
 def recipe_for_folder(folder: str | os.PathLike[str], recipe: Recipe) -> Recipe:
@@ -540,35 +596,10 @@ def _folder_text_steps(folder: str | os.PathLike[str]) -> TextRecipe:
 
 
 def recipe_for_encoder(spec: Any, recipe: Recipe) -> Recipe:
-    """:func:`recipe_for_folder` when ``spec`` names a Hugging Face folder, else ``recipe``.
-
-    Raises:
-        EncoderLoadError: a sentence-transformers folder of the old layout
-            (:func:`refuse_a_transformer_subfolder`), before its texts are taken for audio.
-    """
+    """:func:`recipe_for_folder` when ``spec`` names a Hugging Face folder, else ``recipe``."""
     if isinstance(spec, (str, os.PathLike)) and is_hf_folder(spec):
         return recipe_for_folder(spec, recipe)
-    if isinstance(spec, (str, os.PathLike)):
-        refuse_a_transformer_subfolder(spec)
     return recipe
-
-
-def refuse_a_transformer_subfolder(folder: str | os.PathLike[str]) -> None:
-    """Refuse a sentence-transformers folder whose transformer is in a subfolder
-    (``0_Transformer/``, as releases before 3 saved it) with none at its top: its tokenizer,
-    model and modules would each be read from another folder; saved again, the transformer is
-    at the top.
-
-    Raises:
-        EncoderLoadError: one line saying how to save it again.
-    """
-    sub = transformer_subfolder(folder)
-    if sub is not None and not (Path(folder) / "config.json").is_file():
-        raise EncoderLoadError(
-            f"{folder} is a sentence-transformers folder whose transformer is in {sub}/, as "
-            "releases before 3 saved it; save it again with a newer one "
-            "(SentenceTransformer(folder).save(new_folder)) to put it at the top"
-        )
 
 
 def check_recipe_supported(encoder: LoadedEncoder, recipe: Recipe) -> None:
@@ -587,10 +618,11 @@ def check_recipe_supported(encoder: LoadedEncoder, recipe: Recipe) -> None:
 
 
 def _num_layers(folder: str | os.PathLike[str]) -> int:
+    model_folder = transformer_folder(folder)
     try:
-        config = json.loads((Path(folder) / "config.json").read_text())
+        config = json.loads((model_folder / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise EncoderLoadError(f"cannot read {folder}/config.json: {e}") from e
+        raise EncoderLoadError(f"cannot read {model_folder}/config.json: {e}") from e
     config = tower_config(config)
     if "num_hidden_layers" not in config and "num_layers" in config:  # T5's name for it
         return int(config["num_layers"])
@@ -817,8 +849,7 @@ def load_hf_folder(
         ConfigError: a layer past the model's last.
     """
     path = Path(folder).resolve()
-    refuse_a_transformer_subfolder(path)
-    if not (path / "config.json").is_file():  # e.g. the data folder given as --encoder
+    if not is_hf_folder(path):  # e.g. the data folder given as --encoder
         raise EncoderLoadError(
             f"{folder} is a folder without config.json, so no Hugging Face model folder; "
             "--encoder takes one (save_pretrained writes it), a TorchScript (.pt) or "
@@ -843,6 +874,13 @@ def _load_folder(
     """:func:`load_hf_folder` of a folder holding a config (its fingerprint computed here)."""
     if is_text_folder(path):
         return _text_encoder(path, layers, device)
+    sub = transformer_subfolder(path)
+    if sub is not None:
+        raise EncoderLoadError(
+            f"{path} is a sentence-transformers folder whose transformer in {sub}/ has no "
+            "tokenizer; featbake reads a transformer there for a text model only: save it "
+            "again (SentenceTransformer(folder).save)"
+        )
     model = _load_model(path)
     pre = Preprocessor.of_folder(path)
     num = int(tower_config(model.config.to_dict())["num_hidden_layers"])

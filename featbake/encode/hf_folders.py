@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 from featbake.errors import ConfigError, EncoderLoadError, first_line
@@ -190,12 +190,13 @@ def is_text_folder(folder: str | os.PathLike[str]) -> bool:
     processor saved by transformers 5 (``CLIPProcessor``, ``Wav2Vec2Processor``) writes its
     image or audio part into :data:`PROCESSOR_FILE` beside the tokenizer, with no
     :data:`PREPROCESSOR_FILE`; looking for the latter alone took such a CLIP folder for a text
-    model and refused its images.
+    model and refused its images. A sentence-transformers folder's tokenizer is looked for
+    beside its transformer (:func:`transformer_folder`: ``0_Transformer/`` in the older layout).
 
     Raises:
         EncoderLoadError: a processor settings file exists but is not a JSON object.
     """
-    path = Path(folder)
+    path = transformer_folder(folder)
     has_tokenizer = any((path / n).is_file() for n in ("tokenizer_config.json", "tokenizer.json"))
     return has_tokenizer and processor_settings(path, IMAGE_PARTS + AUDIO_PARTS) is None
 
@@ -241,19 +242,59 @@ def tokenizer_libraries(tokenizer: Any) -> dict[str, str]:
 
 def tokenizer_digest(folder: str | os.PathLike[str], tokenizer: Any) -> str:
     """SHA-256 over ``tokenizer``'s class, each of its files present in ``folder`` (name and
-    bytes; :func:`tokenizer_file_names`) and the libraries it runs
-    (:func:`tokenizer_libraries`)."""
-    path = Path(folder)
-    names = tokenizer_file_names(tokenizer)
+    bytes; :func:`tokenizer_file_names`), the libraries it runs (:func:`tokenizer_libraries`)
+    and, for a :class:`PromptedTokenizer`, the prompt it prepends (a tokenizer without one
+    keeps the digest it had)."""
+    path = transformer_folder(folder)
+    own = tokenizer.tokenizer if isinstance(tokenizer, PromptedTokenizer) else tokenizer
+    names = tokenizer_file_names(own)
     files = {n: sha256_file(path / n) for n in names if (path / n).is_file()}
-    libraries = tokenizer_libraries(tokenizer)
-    return sha256_hex(
-        canonical_json({"class": type(tokenizer).__name__, "files": files, "libs": libraries})
-    )
+    libraries = tokenizer_libraries(own)
+    read = {"class": type(own).__name__, "files": files, "libs": libraries}
+    if isinstance(tokenizer, PromptedTokenizer):
+        read["prompt"] = tokenizer.prompt
+    return sha256_hex(canonical_json(read))
+
+
+class PromptedTokenizer:
+    """A folder's tokenizer that puts its default prompt before each text, as
+    ``SentenceTransformer.encode`` does (``prompt + text``, then one call of the tokenizer, so
+    the prompt's tokens count towards ``max_length``). Anything else is the tokenizer's own.
+
+    Attributes:
+        tokenizer: transformers' tokenizer of the folder.
+        prompt: the text put before each text (lowercased where the folder lowercases texts).
+    """
+
+    def __init__(self, tokenizer: Any, prompt: str) -> None:
+        self.tokenizer = tokenizer
+        self.prompt = prompt
+
+    def __call__(self, text: str, **kwargs: Any) -> Any:
+        return self.tokenizer(self.prompt + text, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("tokenizer", "prompt"):  # not set yet (while unpickling): not the inner's
+            raise AttributeError(name)
+        return getattr(self.tokenizer, name)
 
 
 def load_tokenizer(folder: str | os.PathLike[str]) -> Any:
-    """transformers' tokenizer of ``folder``, offline and quietly.
+    """transformers' tokenizer of ``folder``, offline and quietly; a sentence-transformers
+    folder's is read beside its transformer (:func:`transformer_folder`) and, where the folder
+    names a default prompt, put before each text (a :class:`PromptedTokenizer`:
+    :func:`prompt_before_texts`).
+
+    Raises:
+        EncoderLoadError: transformers is missing or cannot read the folder's tokenizer.
+    """
+    tokenizer = folder_tokenizer(transformer_folder(folder))
+    prompt = prompt_before_texts(folder)
+    return PromptedTokenizer(tokenizer, prompt) if prompt else tokenizer
+
+
+def folder_tokenizer(folder: Path) -> Any:
+    """transformers' tokenizer of the folder holding it, offline and quietly.
 
     Raises:
         EncoderLoadError: transformers is missing or cannot read the folder's tokenizer.
@@ -321,7 +362,8 @@ def text_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> Te
     model would fail; :data:`DEFAULT_MAX_TOKENS` when neither states one (T5). A
     sentence-transformers folder's ``max_seq_length`` stands for the tokenizer's limit and its
     ``do_lower_case`` sets ``lowercase``, as ``SentenceTransformer.encode`` tokenises
-    (:func:`sentence_pipeline`).
+    (:func:`sentence_pipeline`); its default prompt is put before each text by the tokenizer
+    and is in its digest (:class:`PromptedTokenizer`).
 
     Raises:
         EncoderLoadError: the folder has no tokenizer transformers can read.
@@ -337,7 +379,7 @@ def text_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> Te
             "beside the model with tokenizer.save_pretrained"
         )
     tokenizer = load_tokenizer(path)
-    config = tower_config(read_config(path))
+    config = tower_config(read_config(transformer_folder(path)))
     positions = token_positions(config)
     sentence = sentence_pipeline(path) or SentencePipeline()
     stated = sentence.max_seq_length or int(getattr(tokenizer, "model_max_length", 0) or 0)
@@ -446,9 +488,13 @@ def read_config(folder: Path) -> dict[str, Any]:
 # What ``SentenceTransformer.save(folder)`` writes beside the transformer's own files:
 # ``modules.json`` names the modules run in turn (the transformer, a pooling, dense layers, a
 # normalisation), each in its folder (``1_Pooling/config.json``, ``2_Dense/config.json`` and its
-# weights), and ``sentence_bert_config.json`` the transformer's settings (``max_seq_length``,
-# ``do_lower_case`` as older releases write them). featbake reads them as sentence-transformers
-# does, so ``sentence_embedding`` is what ``SentenceTransformer.encode`` returns.
+# weights), ``sentence_bert_config.json`` the transformer's settings (``max_seq_length``,
+# ``do_lower_case`` as older releases write them) and ``config_sentence_transformers.json`` the
+# model's (its prompts, the default one, ``truncate_dim``). Older releases saved the
+# transformer in a subfolder (``0_Transformer/``, named by its ``path`` in ``modules.json``), its
+# settings file with it; later ones at the folder's top. featbake reads them as
+# sentence-transformers does, so ``sentence_embedding`` is what ``SentenceTransformer.encode``
+# returns.
 ST_MODULES_FILE = "modules.json"
 #: The transformer's settings file, and the names older releases gave it, in the order
 #: sentence-transformers looks for them.
@@ -521,6 +567,10 @@ class SentencePipeline:
         after: the dense layers and normalisation applied to the pooled vector, in turn.
         max_seq_length: tokens per text sentence-transformers keeps (None: the tokenizer's).
         do_lower_case: sentence-transformers lowercases each text before its tokenizer.
+        prompt: the default prompt put before each text, as the tokenizer is given it ("": none).
+        include_prompt: the pooling reads the prompt's tokens too (``include_prompt`` of the
+            pooling config); False leaves them out.
+        truncate_dim: ``encode`` keeps the embedding's first so many values (None: all).
         refused: why featbake gives no ``sentence_embedding`` for the folder (one line), or None.
     """
 
@@ -528,7 +578,23 @@ class SentencePipeline:
     after: tuple[DenseLayer | Normalizing, ...] = ()
     max_seq_length: int | None = None
     do_lower_case: bool = False
+    prompt: str = ""
+    include_prompt: bool = True
+    truncate_dim: int | None = None
     refused: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """What ``config_sentence_transformers.json`` sets that ``encode`` applies by default.
+
+    Attributes:
+        prompt: the default prompt (``prompts[default_prompt_name]``), "" where none is named.
+        truncate_dim: the embedding's first so many values are kept (None: all).
+    """
+
+    prompt: str = ""
+    truncate_dim: int | None = None
 
 
 def is_sentence_folder(folder: str | os.PathLike[str]) -> bool:
@@ -539,21 +605,42 @@ def is_sentence_folder(folder: str | os.PathLike[str]) -> bool:
 def sentence_pipeline(folder: str | os.PathLike[str]) -> SentencePipeline | None:
     """The folder's sentence-transformers modules and settings, None for another folder.
 
-    Never raises for what it cannot reproduce (an unknown module, a prompt, a broken file): the
-    reason is the pipeline's ``refused``, so the folder still gives its tokens.
+    Never raises for what it cannot reproduce (an unknown module, a prompt naming none of the
+    prompts, a broken file): the reason is the pipeline's ``refused``, so the folder still gives
+    its tokens.
     """
     path = Path(folder)
     if not is_sentence_folder(path):
         return None
     settings = SentencePipeline()
     try:
-        config, where = _transformer_config(path)
+        config, where = _transformer_config(transformer_folder(path))
         settings = _transformer_settings(config, where)
         _refuse_other_transformer_settings(config, where)
-        _refuse_a_default_prompt(path)
+        model = model_settings(path)
+        prompt = model.prompt.lower() if settings.do_lower_case else model.prompt
+        settings = dataclasses.replace(settings, prompt=prompt, truncate_dim=model.truncate_dim)
         return _modules_after_transformer(path, settings)
     except (ConfigError, EncoderLoadError) as e:
         return dataclasses.replace(settings, refused=first_line(e))
+
+
+def prompt_before_texts(folder: str | os.PathLike[str]) -> str:
+    """The default prompt ``SentenceTransformer.encode`` puts before each text of a
+    sentence-transformers folder, lowercased where the folder lowercases its texts (its
+    tokenizer is then given both lowercased); "" for another folder, one naming no default
+    prompt, or one whose settings sentence-transformers would not load (its
+    ``sentence_embedding`` is refused, :func:`sentence_pipeline`)."""
+    path = Path(folder)
+    if not is_sentence_folder(path):
+        return ""
+    try:
+        prompt = model_settings(path).prompt
+        config, where = _transformer_config(transformer_folder(path))
+        lower = _transformer_settings(config, where).do_lower_case
+    except (ConfigError, EncoderLoadError):
+        return ""
+    return prompt.lower() if lower else prompt
 
 
 def _transformer_config(folder: Path) -> tuple[dict[str, Any], Path]:
@@ -595,22 +682,76 @@ def _refuse_other_transformer_settings(config: Mapping[str, Any], where: Path) -
             )
 
 
-def _refuse_a_default_prompt(folder: Path) -> None:
-    """Raise where ``encode`` would prepend a prompt to every text or the folder is not a
-    sentence embedder (a sparse encoder, a cross-encoder): featbake encodes the text alone."""
-    model = _settings_file(folder / ST_MODEL_FILE) or {}
+#: The prompts a SentenceTransformer holds before its saved ones are read (empty: no prompt).
+ST_BUILT_IN_PROMPTS = {"query": "", "document": ""}
+
+
+def model_settings(folder: Path) -> ModelSettings:
+    """The default prompt and ``truncate_dim`` ``encode`` applies, read as sentence-transformers
+    reads ``config_sentence_transformers.json``: the saved prompts on top of its own ``query``
+    and ``document`` (a prompt of null is ""), the default prompt the one its name picks.
+
+    Raises:
+        SentenceModuleUnsupported: the folder is no sentence embedder (a sparse encoder, a
+            cross-encoder), its default prompt names none of its prompts (sentence-transformers
+            refuses to load it), a prompt is no text, or ``truncate_dim`` no whole number >= 1.
+    """
+    where = folder / ST_MODEL_FILE
+    model = _settings_file(where) or {}
     kind = model.get("model_type", "SentenceTransformer")
     if kind != "SentenceTransformer":
         raise SentenceModuleUnsupported(
             f"{folder} is a sentence-transformers {kind}, not a SentenceTransformer; ask for "
             "--output tokens"
         )
-    if model.get("default_prompt_name"):
+    return ModelSettings(
+        prompt=_default_prompt(model, where), truncate_dim=_truncate_dim(model, where)
+    )
+
+
+def _default_prompt(model: Mapping[str, Any], where: Path) -> str:
+    """The prompt ``default_prompt_name`` names among the folder's prompts ("" for none).
+
+    Raises:
+        SentenceModuleUnsupported: it names no prompt there, or the prompt is no text.
+    """
+    saved = model.get("prompts") or {}
+    if not isinstance(saved, dict):
         raise SentenceModuleUnsupported(
-            f"{folder / ST_MODEL_FILE} names the default prompt "
-            f"{model['default_prompt_name']!r}, which featbake does not prepend; set it to null "
-            "and give the prompt in the texts"
+            f"{where}: prompts must be an object of names and texts, got {saved!r}; ask for "
+            "--output tokens"
         )
+    prompts = {**ST_BUILT_IN_PROMPTS, **{k: "" if v is None else v for k, v in saved.items()}}
+    name = model.get("default_prompt_name")
+    if name is None:
+        return ""
+    if name not in prompts:
+        raise SentenceModuleUnsupported(
+            f"{where} names the default prompt {name!r}, which is none of its prompts "
+            f"({', '.join(map(repr, prompts))}); sentence-transformers does not load it: fix "
+            "default_prompt_name"
+        )
+    prompt = prompts[name]
+    if not isinstance(prompt, str):
+        raise SentenceModuleUnsupported(
+            f"{where}: the prompt {name!r} must be text, got {prompt!r}; fix the file"
+        )
+    return prompt
+
+
+def _truncate_dim(model: Mapping[str, Any], where: Path) -> int | None:
+    """``truncate_dim`` of the folder's settings (None where unset).
+
+    Raises:
+        SentenceModuleUnsupported: it is no whole number >= 1.
+    """
+    dim = model.get("truncate_dim")
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
+        raise SentenceModuleUnsupported(
+            f"{where}: truncate_dim must be a whole number of values >= 1, got {dim!r}; fix "
+            "the file"
+        )
+    return dim
 
 
 def st_modules(folder: Path) -> list[dict[str, Any]]:
@@ -644,8 +785,9 @@ def st_module_name(entry: Mapping[str, Any]) -> str | None:
 
 def transformer_subfolder(folder: str | os.PathLike[str]) -> str | None:
     """The subfolder of a sentence-transformers folder its transformer is saved in
-    (``0_Transformer``, as releases before 3 wrote it), None where it is at the top or the
-    folder is no such folder."""
+    (``0_Transformer``, as older releases wrote it), None where it is at the top or the
+    folder is no such folder. A path sentence-transformers refuses (absolute, or with ``..``)
+    is none either: the folder is then read as any other."""
     path = Path(folder)
     if not is_sentence_folder(path):
         return None
@@ -653,8 +795,21 @@ def transformer_subfolder(folder: str | os.PathLike[str]) -> str | None:
         first = st_modules(path)[0]
     except EncoderLoadError:
         return None
-    sub = str(first.get("path") or "")
-    return sub if st_module_name(first) == "Transformer" and sub not in ("", ".") else None
+    sub = first.get("path")
+    if st_module_name(first) != "Transformer" or not isinstance(sub, str):
+        return None
+    parts = PureWindowsPath(sub)
+    if parts.anchor or ".." in parts.parts:
+        return None
+    return None if Path(sub) == Path(".") else Path(sub).as_posix()
+
+
+def transformer_folder(folder: str | os.PathLike[str]) -> Path:
+    """Where a model folder's transformer (its config, weights and tokenizer) is read: the
+    subfolder a sentence-transformers folder of the older layout names
+    (:func:`transformer_subfolder`), else the folder itself."""
+    sub = transformer_subfolder(folder)
+    return Path(folder) if sub is None else Path(folder) / sub
 
 
 def _modules_after_transformer(folder: Path, settings: SentencePipeline) -> SentencePipeline:
@@ -662,7 +817,7 @@ def _modules_after_transformer(folder: Path, settings: SentencePipeline) -> Sent
 
     Raises:
         SentenceModuleUnsupported: a module featbake does not run, or not in the order it runs
-            them (the transformer at the folder's top, one pooling, then dense and normalise).
+            them (the transformer, one pooling, then dense and normalise).
     """
     entries = st_modules(folder)
     names = [st_module_name(e) for e in entries]
@@ -672,17 +827,20 @@ def _modules_after_transformer(folder: Path, settings: SentencePipeline) -> Sent
                 f"{folder / ST_MODULES_FILE} lists the module {entry['type']}, which featbake "
                 f"does not run, so it gives no {ST_EMBEDDING_KEY!r}; ask for --output tokens"
             )
-    sub = transformer_subfolder(folder)
     after_pooling = all(n in ("Dense", "Normalize") for n in names[2:])
-    if names[:2] != ["Transformer", "Pooling"] or sub is not None or not after_pooling:
+    if names[:2] != ["Transformer", "Pooling"] or not after_pooling:
         raise SentenceModuleUnsupported(
             f"{folder / ST_MODULES_FILE} runs {' -> '.join(map(str, names))}; featbake computes "
-            f"{ST_EMBEDDING_KEY!r} for a transformer at the folder's top, one pooling, then dense "
-            "and normalise modules; ask for --output tokens"
+            f"{ST_EMBEDDING_KEY!r} for a transformer, one pooling, then dense and normalise "
+            "modules; ask for --output tokens"
         )
-    pooling = pooling_modes(_module_config(folder, entries[1]))
+    pooling_config = _module_config(folder, entries[1])
+    pooling = pooling_modes(pooling_config)
+    include_prompt = pooling_config.get("include_prompt", True) is not False
     after = tuple(_after_pooling(folder, e) for e in entries[2:])
-    return dataclasses.replace(settings, pooling=pooling, after=after)
+    return dataclasses.replace(
+        settings, pooling=pooling, include_prompt=include_prompt, after=after
+    )
 
 
 def _module_config(folder: Path, entry: Mapping[str, Any]) -> dict[str, Any]:
@@ -746,21 +904,44 @@ def _after_pooling(folder: Path, entry: Mapping[str, Any]) -> DenseLayer | Norma
 
 def sentence_files_digest(folder: str | os.PathLike[str]) -> str | None:
     """SHA-256 over the sentence-transformers files of a folder (name and bytes): modules.json,
-    the transformer's settings and every file in each other module's folder (a pooling's
-    config, a dense layer's config and weights), so another pooling mode or other dense weights
-    give other keys; None for a folder without modules.json."""
+    the transformer's settings (beside it: ``0_Transformer/sentence_bert_config.json`` in the
+    older layout) and every file in each other module's folder (a pooling's config, a dense
+    layer's config and weights), so another pooling mode or other dense weights give other
+    keys; and the default prompt and ``truncate_dim`` ``encode`` applies, where the folder
+    sets them (:func:`model_settings`; not the whole settings file, which names the library
+    versions it was saved with, so a folder setting neither keeps its key). The transformer's
+    own files are the model's and tokenizer's keys. None for a folder without modules.json."""
     path = Path(folder)
     if not is_sentence_folder(path):
         return None
-    names = [ST_MODULES_FILE, *ST_CONFIG_FILES]
-    files = {n: sha256_file(path / n) for n in names if (path / n).is_file()}
+    top, transformer = path.resolve(), transformer_folder(path)
+    sub = transformer_subfolder(path)
+    named = {ST_MODULES_FILE: path / ST_MODULES_FILE}
+    named.update({n if sub is None else f"{sub}/{n}": transformer / n for n in ST_CONFIG_FILES})
+    files = {name: sha256_file(f) for name, f in named.items() if f.is_file()}
     try:
         entries = st_modules(path)
     except EncoderLoadError:
         entries = []  # its refusal says why; the file itself is hashed above
     for entry in entries:
-        sub = (path / str(entry.get("path") or "")).resolve()
-        if path.resolve() in sub.parents and sub.is_dir():
-            for f in sorted(p for p in sub.rglob("*") if p.is_file()):
-                files[f.relative_to(path.resolve()).as_posix()] = sha256_file(f)
-    return sha256_hex(canonical_json(files))
+        folder_of = (path / str(entry.get("path") or "")).resolve()
+        if top in folder_of.parents and folder_of.is_dir() and folder_of != transformer.resolve():
+            for f in sorted(p for p in folder_of.rglob("*") if p.is_file()):
+                files[f.relative_to(top).as_posix()] = sha256_file(f)
+    return sha256_hex(canonical_json({**files, **_applied_settings(path)}))
+
+
+def _applied_settings(folder: Path) -> dict[str, Any]:
+    """The settings ``encode`` applies that the digest holds, each only where the folder sets
+    it: ``default_prompt`` and ``truncate_dim`` (none where they cannot be read: the
+    ``sentence_embedding`` is then refused)."""
+    try:
+        model = model_settings(folder)
+    except (ConfigError, EncoderLoadError):
+        return {}
+    read: dict[str, Any] = {}
+    if model.prompt:
+        read[f"{ST_MODEL_FILE}:default_prompt"] = model.prompt
+    if model.truncate_dim is not None:
+        read[f"{ST_MODEL_FILE}:truncate_dim"] = model.truncate_dim
+    return read

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch as safetensors
 import torch
 
 from featbake.bake.pipeline import build
 from featbake.encode.hf import SENTENCE_EMBEDDING
 from featbake.encode.loaders import load_encoder
-from featbake.errors import ConfigError, EncoderLoadError
+from featbake.errors import ConfigError
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from tests.conftest import run_cli
@@ -43,19 +44,22 @@ def save_sentence_model(
     dense: int | None = None,
     normalize: bool = True,
     seed: int = 5,
+    include_prompt: bool = True,
+    **settings: Any,
 ) -> Path:
-    """``SentenceTransformer(modules=[Transformer, Pooling, (Dense), (Normalize)]).save``."""
+    """``SentenceTransformer(modules=[Transformer, Pooling, (Dense), (Normalize)]).save``;
+    ``settings`` are the model's (``prompts``, ``default_prompt_name``, ``truncate_dim``)."""
     modes = (pooling,) if isinstance(pooling, str) else pooling
     parts: list[Any] = [
         modules.Transformer(str(bert)),
-        modules.Pooling(HIDDEN, pooling_mode=pooling),
+        modules.Pooling(HIDDEN, pooling_mode=pooling, include_prompt=include_prompt),
     ]
     if dense is not None:
         torch.manual_seed(seed)
         parts.append(modules.Dense(HIDDEN * len(modes), dense, activation_function=torch.nn.Tanh()))
     if normalize:
         parts.append(modules.Normalize())
-    st.SentenceTransformer(modules=parts, device="cpu").save(str(folder))
+    st.SentenceTransformer(modules=parts, device="cpu", **settings).save(str(folder))
     return folder
 
 
@@ -279,23 +283,188 @@ def test_an_activation_that_is_no_torch_module_is_refused_in_one_line(
     assert "\n" not in str(refused.value)
 
 
-def test_a_transformer_in_a_subfolder_is_refused_saying_what_to_do(
+def older_layout(folder: Path) -> None:
+    """Rewrite a saved folder in the layout older releases wrote: the transformer's config,
+    weights, tokenizer and ``sentence_bert_config.json`` in ``0_Transformer/``, which
+    ``modules.json`` names as its path; module types and the pooling config as they wrote them
+    (:func:`legacy_layout`)."""
+    legacy_layout(folder, "mean")
+    sub = folder / "0_Transformer"
+    sub.mkdir()
+    top = {"modules.json", "config_sentence_transformers.json", "README.md", sub.name}
+    for entry in list(folder.iterdir()):
+        if entry.name not in top and not (entry.is_dir() and entry.name[0].isdigit()):
+            entry.rename(sub / entry.name)
+    entries = json.loads((folder / "modules.json").read_text())
+    entries[0]["path"] = sub.name
+    write_json(folder / "modules.json", entries)
+
+
+def test_a_transformer_in_0_transformer_equals_sentence_transformers_and_is_keyed(
     bert: Path, texts: Path, tmp_path: Path
 ) -> None:
-    """The layout of releases before 3: the transformer's files in ``0_Transformer/``."""
-    folder = save_sentence_model(tmp_path / "old", bert, "mean")
-    (folder / "0_Transformer").mkdir()
-    top = {"modules.json", "1_Pooling", "2_Normalize", "README.md"}
-    top |= {"config_sentence_transformers.json"}
-    for entry in list(folder.iterdir()):
-        if entry.name not in top and entry.name != "0_Transformer":
-            entry.rename(folder / "0_Transformer" / entry.name)
-    entries = json.loads((folder / "modules.json").read_text())
-    entries[0]["path"] = "0_Transformer"
-    write_json(folder / "modules.json", entries)
-    want = sentence_transformers_now(folder, [TEXTS[0]])  # sentence-transformers loads it
-    assert want.shape == (1, HIDDEN)
-    with pytest.raises(EncoderLoadError, match="0_Transformer") as refused:
-        build(texts, folder, cache=tmp_path / "store", recipe=Recipe(source="text"))
-    assert "SentenceTransformer(folder).save" in str(refused.value)
+    """The older layout: built and served as sentence-transformers encodes it now; its
+    transformer's settings, tokenizer and weights in the subfolder are in the key as a
+    top-level transformer's are."""
+    folder = save_sentence_model(tmp_path / "old", bert, "mean", dense=8)
+    older_layout(folder)
+    assert not (folder / "config.json").exists()
+    assert (folder / "0_Transformer" / "sentence_bert_config.json").is_file()
+    store = tmp_path / "store"
+    ds = built_and_served(folder, texts, store)
+    assert ds[0][SENTENCE_EMBEDDING].shape == (8,)
+    assert_sentence_embeddings_equal(ds, folder)
+    assert build(texts, folder, cache=store, batching="padded").encoded == 0  # its key kept
+
+    # The subfolder's sentence_bert_config.json: another max_seq_length, other keys.
+    settings = folder / "0_Transformer" / "sentence_bert_config.json"
+    write_json(settings, {**json.loads(settings.read_text()), "max_seq_length": 8})
+    ds = built_and_served(folder, texts, store)
+    assert max(ds[i]["tokens"].shape[0] for i in range(len(ds))) == 8
+    assert_sentence_embeddings_equal(ds, folder)
+
+    # Its tokenizer: "the" unknown from now on.
+    tokenizer = folder / "0_Transformer" / "tokenizer.json"
+    saved = json.loads(tokenizer.read_text())
+    saved["model"]["vocab"]["the-not"] = saved["model"]["vocab"].pop("the")
+    write_json(tokenizer, saved)
+    ds = built_and_served(folder, texts, store)
+    assert_sentence_embeddings_equal(ds, folder)
+
+    # Its weights: each moved a little.
+    before = load_encoder(folder).fingerprint
+    weights = folder / "0_Transformer" / "model.safetensors"
+    moved = {k: v + 0.05 * torch.randn_like(v) for k, v in safetensors.load_file(weights).items()}
+    safetensors.save_file(moved, weights)
+    assert load_encoder(folder).fingerprint != before
+    ds = built_and_served(folder, texts, store)
+    assert_sentence_embeddings_equal(ds, folder)
+
+
+def test_cli_builds_a_folder_of_the_older_layout(bert: Path, texts: Path, tmp_path: Path) -> None:
+    folder = save_sentence_model(tmp_path / "old-cli", bert, "mean")
+    older_layout(folder)
+    store = tmp_path / "store"
+    result = run_cli(
+        "build", "--encoder", folder, "--data", texts, "--cache", store, "--source", "text",
+        "--output", SENTENCE_EMBEDDING, "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["encoded"] == len(TEXTS) + 1
+    ds = CachedFeatureDataset(
+        texts, encoder=folder, cache=store, on_miss="error",
+        recipe=Recipe(source="text", output=SENTENCE_EMBEDDING),
+    )  # fmt: skip
+    said = [Path(ds.path(i)).read_text(encoding="utf-8") for i in range(len(ds))]
+    want = sentence_transformers_now(folder, said)
+    for i in range(len(ds)):
+        torch.testing.assert_close(ds[i], want[i], atol=ATOL, rtol=0)
+
+
+# == prompts and truncate_dim ======================================================================
+#: A prompt of the tiny vocabulary's words and two unknown ones: 6 tokens before each text.
+PROMPT = "a photo of two queries: "
+PROMPTS = {"query": PROMPT, "document": "", "other": "the "}
+
+
+@pytest.mark.parametrize(
+    ("modes", "include_prompt"),
+    [
+        (("mean",), True),
+        (("mean", "max"), False),
+        (("cls", "lasttoken"), False),
+        (("weightedmean", "mean_sqrt_len_tokens"), False),
+    ],
+)
+def test_a_default_prompt_is_put_before_each_text_as_encode_does(
+    modes: tuple[str, ...], include_prompt: bool, bert: Path, texts: Path, tmp_path: Path
+) -> None:
+    """``default_prompt_name`` names a prompt: ``encode`` tokenises ``prompt + text`` (cut at
+    the model's 64 positions with the prompt) and, with ``include_prompt: false``, pools the
+    text's tokens alone."""
+    folder = save_sentence_model(
+        tmp_path / "prompted", bert, modes, include_prompt=include_prompt,
+        prompts=PROMPTS, default_prompt_name="query",
+    )  # fmt: skip
+    ds = built_and_served(folder, texts, tmp_path / "store")
+    dog = [Path(ds.path(i)).read_text() for i in range(len(ds))].index("dog")
+    assert ds[dog]["tokens"].shape[0] == 9  # [CLS] a photo of two [UNK] [UNK] dog [SEP]
+    assert_sentence_embeddings_equal(ds, folder)
+    if not include_prompt:  # leaving the prompt out is what makes these equal
+        model = st.SentenceTransformer(str(folder), device="cpu")
+        model.set_pooling_include_prompt(True)
+        pooled_whole = model.encode(["dog"], convert_to_tensor=True)[0]
+        assert not torch.allclose(pooled_whole, ds[dog][SENTENCE_EMBEDDING], atol=1e-3)
+
+
+def test_a_prompt_changed_between_build_and_serve_is_not_served_stale(
+    bert: Path, texts: Path, tmp_path: Path
+) -> None:
+    folder = save_sentence_model(
+        tmp_path / "changed", bert, "mean", prompts=PROMPTS, default_prompt_name="query"
+    )
+    store = tmp_path / "store"
+    built_and_served(folder, texts, store)
+    settings = folder / "config_sentence_transformers.json"
+    write_json(settings, {**json.loads(settings.read_text()), "default_prompt_name": "other"})
+    with pytest.warns(UserWarning, match="6 of 6 items"):  # the prompt is in the key
+        ds = CachedFeatureDataset(
+            texts, encoder=folder, cache=store, source="text", on_miss="encode"
+        )
+    assert_sentence_embeddings_equal(ds, folder)
+    assert_sentence_embeddings_equal(built_and_served(folder, texts, store), folder)
+
+
+def test_prompts_without_a_default_change_nothing(bert: Path, texts: Path, tmp_path: Path) -> None:
+    """``encode`` puts no prompt before a text where the folder names no default one: the
+    folder keeps the keys it had without prompts, and its store serves it."""
+    folder = save_sentence_model(tmp_path / "no-default", bert, "mean")
+    store = tmp_path / "store"
+    built_and_served(folder, texts, store)
+    settings = folder / "config_sentence_transformers.json"
+    write_json(settings, {**json.loads(settings.read_text()), "prompts": PROMPTS})
+    assert build(texts, folder, cache=store, batching="padded").encoded == 0
+    ds = CachedFeatureDataset(texts, encoder=folder, cache=store, source="text", on_miss="error")
+    assert_sentence_embeddings_equal(ds, folder)
+
+
+def test_a_prompt_is_lowercased_with_the_text_where_the_folder_lowercases(
+    texts: Path, tmp_path: Path
+) -> None:
+    """``do_lower_case`` on a cased tokenizer: "The" of the prompt is "the" to encode too."""
+    cased = save_cased_bert(tmp_path / "cased-bert")
+    folder = save_sentence_model(
+        tmp_path / "lower", cased, "mean", prompts={"query": "The Photo of "},
+        default_prompt_name="query",
+    )  # fmt: skip
+    write_json(folder / "sentence_bert_config.json", {"max_seq_length": 64, "do_lower_case": True})
+    ds = built_and_served(folder, texts, tmp_path / "store")
+    assert_sentence_embeddings_equal(ds, folder)
+
+
+def test_truncate_dim_keeps_the_first_values_as_encode_does(
+    bert: Path, texts: Path, tmp_path: Path
+) -> None:
+    folder = save_sentence_model(tmp_path / "matryoshka", bert, "mean", truncate_dim=12)
+    assert json.loads((folder / "config_sentence_transformers.json").read_text())[
+        "truncate_dim"
+    ] == 12  # fmt: skip
+    ds = built_and_served(folder, texts, tmp_path / "store")
+    assert ds[0][SENTENCE_EMBEDDING].shape == (12,)
+    assert_sentence_embeddings_equal(ds, folder)
+
+
+def test_a_default_prompt_naming_no_prompt_is_refused_in_one_line_and_tokens_build(
+    bert: Path, texts: Path, tmp_path: Path
+) -> None:
+    folder = save_sentence_model(tmp_path / "unnamed", bert, "mean", prompts=PROMPTS)
+    settings = folder / "config_sentence_transformers.json"
+    write_json(settings, {**json.loads(settings.read_text()), "default_prompt_name": "passage"})
+    with pytest.raises(ValueError, match="passage"):
+        st.SentenceTransformer(str(folder), device="cpu")  # sentence-transformers refuses it
+    asked = Recipe(source="text", output=SENTENCE_EMBEDDING)
+    with pytest.raises(ConfigError, match="'passage'") as refused:
+        build(texts, folder, cache=tmp_path / "store", recipe=asked)
     assert "\n" not in str(refused.value)
+    report = build(texts, folder, cache=tmp_path / "store")
+    assert report.encoded == len(TEXTS) + 1 and not report.failed
