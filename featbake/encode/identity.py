@@ -546,6 +546,9 @@ class HeldReading:
         self.tensors = tensors
         self.forward = forward  # a module's forward read: see the class's docstring
         self.written = written  # names a module's forward sets on the objects read here
+        #: By the id of a globals dict, the names the functions a module's forward runs set
+        #: there (:func:`forward_reads`): its own state, where any of them reads them.
+        self.globals_written: dict[int, frozenset[str]] = {}
         self.refused: list[str] = []
         self._path: set[int] = set()
         self._count = 0
@@ -705,15 +708,20 @@ class HeldReading:
         toward :data:`HELD_VALUES`) once."""
         found = getattr(func, "__globals__", {})
         code = func.__code__
-        kept = bookkeeping_names(code, GLOBAL_WRITES)
+        asked = globals_asked(code)
+        kept = bookkeeping_names(code, GLOBAL_WRITES) - asked.read  # globals()["K"] reads it
         if self.forward:  # the forward's own state, read back or not
-            kept |= written_names(code, GLOBAL_WRITES)
+            kept |= written_names(code, GLOBAL_WRITES) | asked.written
+            kept |= self.globals_written.get(id(found), frozenset())
         rows = []
-        for g in global_names(code):
+        named = globals_named(func)
+        for g in named:
             value = found.get(g, _ABSENT)
             if value is not _ABSENT and g not in kept:
                 text = self._global(g, value, code, depth, found)
                 rows += [] if text is None else [f"global {g}={text}"]
+            elif g in asked.read and g not in kept:  # globals().get("K", 1.0): gained later
+                rows.append(f"global {g}=<absent>")
         reached: dict[str, Any] = {}
         wholes: dict[str, Any] = {}
         for g, chain in attribute_chains(code):
@@ -725,7 +733,7 @@ class HeldReading:
                     reached.setdefault(name, value)
         importers = any(
             _holds_importer(found[g])
-            for g in global_names(code)
+            for g in named
             if g in found and g not in kept and g not in _IMPORTERS  # those: read at the call
         )
         refusals = _root_reads(code, found, kept, reached, wholes)
@@ -1007,6 +1015,22 @@ class HeldReading:
         class, by value."""
         return f"class[{','.join(self._class_rows(cls, loaded_names(runs, cls), held, depth))}]"
 
+    def _partialmethod(self, method: functools.partialmethod[Any], name: str, depth: int) -> str:
+        """A ``functools.partialmethod`` a class holds: the function it calls by its code
+        (what it reads is read as a method the forward runs: :func:`functions_held`), and the
+        arguments it binds by value (``partialmethod(_run, scale=2.0)`` set anew with
+        ``scale=3.0`` changes what the forward returns)."""
+        func = method.func
+        if isinstance(func, functools.partialmethod):
+            called = self._partialmethod(func, name, depth)
+        else:
+            inner = method_function(func)
+            code = getattr(inner, "__code__", None)
+            called = cached_code_digest(code) if code is not None else self.text(func, name)
+        args = [self.text(a, name, depth) for a in method.args]
+        kw = [f"{k}={self.text(v, k, depth)}" for k, v in sorted(method.keywords.items())]
+        return f"partialmethod({called},{','.join([*args, *kw])})"
+
     def _class_rows(
         self, cls: type, names: Iterable[str], shadowed: Container[str], depth: int
     ) -> list[str]:
@@ -1018,7 +1042,11 @@ class HeldReading:
         self._in_global += 1
         try:
             for n in names:
-                found = _ABSENT if n in shadowed else namespace_attribute(cls, n)
+                raw = _ABSENT if n in shadowed else inspect.getattr_static(cls, n, _ABSENT)
+                if isinstance(raw, functools.partialmethod):
+                    rows.append(f"{n}={self._partialmethod(raw, n, depth)}")
+                    continue
+                found = _ABSENT if raw is _ABSENT else class_value(cls, raw)
                 if found is not _ABSENT and is_data(found) and not isinstance(found, type):
                     rows.append(f"{n}={self.text(found, n, depth)}")
         finally:
@@ -1067,11 +1095,22 @@ def class_data_names(cls: type, func: Any) -> tuple[str, ...]:
             class_layout(cls),
             lambda: [
                 n
-                for n in loaded_names(func, cls)
+                for n in _names_loaded_or_picked(func, cls)
                 if inspect.getattr_static(cls, n, _ABSENT) is not _ABSENT
             ],
         )
     )
+
+
+def _names_loaded_or_picked(func: Any, cls: type) -> list[str]:
+    """:func:`loaded_names`, every name the user's classes hold (:func:`own_names`) where
+    ``func`` picks an attribute by a name made at run time, and ``forward`` or ``__call__``
+    where ``cls`` holds a ``partialmethod`` there (its arguments are settings), sorted."""
+    loaded = set(loaded_names(func, cls))
+    loaded |= own_names(cls) if picks_at_run_time(func, cls) else set()
+    entries = ("forward", "__call__")  # run by the module's call: no code names them
+    loaded |= {n for n in entries if isinstance(vars(cls).get(n), functools.partialmethod)}
+    return sorted(loaded)
 
 
 def class_layout(cls: type) -> tuple[Any, ...]:
@@ -1165,7 +1204,7 @@ def later_read(cls: type, func: Any) -> LaterRead | None:
             if callable(v) and not isinstance(v, (type, types.ModuleType))
         )
     )
-    asks = bool(names_asked(func, cls))
+    asks = bool(names_asked(func, cls)) or picks_at_run_time(func, cls)
     return LaterRead(cls, func, asks, functions) if asks or functions else None
 
 
@@ -1203,6 +1242,85 @@ def _asked_by_name(ins: list[Any], i: int) -> str | None:
         return None
     named = after[1].argval if len(after) == 2 and after[1].opname == "LOAD_CONST" else None
     return named if isinstance(named, str) else None
+
+
+def picks_at_run_time(func: Any, cls: type) -> bool:
+    """Whether ``func`` or a method of ``cls`` it reaches asks its object or class for an
+    attribute by a name made at run time (``getattr(self, "forward_" + self.mode)``,
+    ``getattr(type(self), f"_{self.kind}_head")``, ``hasattr(self, name)``): any method or
+    setting of the user's classes may then be read. Kept per code object and class."""
+    return bool(
+        kept_per_object(_PICKS, (func.__code__, cls), None, lambda: _picks(func.__code__, cls))
+    )
+
+
+#: picks_at_run_time's, by code object and class (:func:`kept_per_object`).
+_PICKS: dict[Any, Any] = {}
+
+
+def _picks(code: Any, cls: type) -> bool:
+    """:func:`picks_at_run_time`, made anew."""
+    for each in reached_code(code, cls):
+        if "getattr" not in each.co_names and "hasattr" not in each.co_names:
+            continue
+        ins = list(dis.get_instructions(each))
+        if any(_asked_at_run_time(each, ins, i) for i in range(len(ins))):
+            return True
+    return False
+
+
+def _asked_at_run_time(code: Any, ins: list[Any], i: int) -> bool:
+    """Whether ``ins[i]`` loads ``getattr`` or ``hasattr`` called on the code's object or
+    class (:func:`_own_object_end`) with a name that is no constant."""
+    if ins[i].opname != "LOAD_GLOBAL" or ins[i].argval not in ("getattr", "hasattr"):
+        return False
+    j = _own_object_end(code, ins, i + 1)
+    return j is not None and _constant_argument(ins, j) is None
+
+
+#: The names a method's object or class goes by where it is no argument (a closure's cell).
+_OWN_NAMES = frozenset({"self", "cls"})
+
+
+def _own_object_end(code: Any, ins: list[Any], j: int) -> int | None:
+    """Where the instructions after loading the method's object or class at ``ins[j]`` go
+    on (``self``, ``cls``, ``self.__class__``, ``type(self)``), or None where ``ins[j]``
+    loads another object."""
+    if j < len(ins) and ins[j].opname == "LOAD_GLOBAL" and ins[j].argval == "type":
+        k = _own_object_end(code, ins, j + 1)
+        while k is not None and k < len(ins) and ins[k].opname in _CALL_PREFIXES:
+            k += 1
+        called = k is not None and k < len(ins) and ins[k].opname == "CALL" and ins[k].arg == 1
+        return k + 1 if called and k is not None else None
+    op = ins[j] if j < len(ins) else None
+    if op is None or op.opname not in (*_ARGUMENT_LOADS, "LOAD_DEREF"):
+        return None
+    first = code.co_varnames[:1] if code.co_argcount else ()
+    loaded = op.argval[-1] if op.opname in _JOINED_LOADS else op.argval
+    if loaded not in first and loaded not in _OWN_NAMES:
+        return None
+    after = ins[j + 1] if j + 1 < len(ins) else None
+    held = after is not None and after.opname in _METHOD_LOADS and after.argval == "__class__"
+    return j + 2 if held else j + 1
+
+
+def own_names(cls: type) -> frozenset[str]:
+    """The names the user's classes in ``cls``'s MRO hold, but dunders (``__init__``,
+    ``__module__``; a name made at run time is none of them) and what Python keeps there
+    itself (:data:`_MACHINERY_NAMES`): what a forward that picks an attribute by a name
+    made at run time (:func:`picks_at_run_time`) may read."""
+    return frozenset(
+        n
+        for k, mine in _own_in_mro(cls)
+        if mine
+        for n in vars(k)
+        if not (n.startswith("__") and n.endswith("__")) and n not in _MACHINERY_NAMES
+    )
+
+
+#: Names Python keeps on a class for itself: an ``abc.ABC``'s registry (no setting, keyed
+#: by its address).
+_MACHINERY_NAMES = frozenset({"_abc_impl"})
 
 
 #: loaded_names's, by code object and class (:func:`kept_per_object`).
@@ -1590,9 +1708,93 @@ def global_names(code: Any) -> tuple[str, ...]:
 
 
 def _loaded_globals(code: Any) -> tuple[str, ...]:
-    """:func:`global_names`, made anew."""
+    """:func:`global_names`, made anew: each ``LOAD_GLOBAL``, and each name read through
+    ``globals()`` by a constant (:func:`globals_asked`)."""
     loads = (op for each in reached_code(code, None) for op in dis.get_instructions(each))
-    return tuple(sorted({op.argval for op in loads if op.opname == "LOAD_GLOBAL"}))
+    names = {op.argval for op in loads if op.opname == "LOAD_GLOBAL"}
+    return tuple(sorted(names.union(globals_asked(code).read)))
+
+
+def globals_named(func: Any) -> tuple[str, ...]:
+    """The globals ``func``'s code reads (:func:`global_names`), and, where it uses
+    ``globals()`` otherwise than by a constant name (``globals()[self.act_name]``, passed
+    on: :attr:`GlobalsAsked.whole`), every global of its file but the module's own dunders:
+    any of them may be read."""
+    names = global_names(func.__code__)
+    if not globals_asked(func.__code__).whole:
+        return names
+    found = getattr(func, "__globals__", {})
+    every = (g for g in found if not (g.startswith("__") and g.endswith("__")))
+    return tuple(sorted({*names, *every}))
+
+
+@dataclass(frozen=True)
+class GlobalsAsked:
+    """What a code object (and the code nested in it) asks of ``globals()``: the names it
+    reads by a constant (``globals()["K"]``, ``globals().get("K", d)``, ``"K" in
+    globals()``), those it sets or deletes by a constant (``globals()["K"] = v``,
+    ``globals().setdefault("K", v)``: its own state, as a ``global K`` it writes is), and
+    whether it uses ``globals()`` any other way (a name made at run time, the dict passed
+    on or iterated), where every global may be read."""
+
+    read: frozenset[str] = frozenset()
+    written: frozenset[str] = frozenset()
+    whole: bool = False
+
+
+def globals_asked(code: Any) -> GlobalsAsked:
+    """:class:`GlobalsAsked` of ``code``; kept per code object."""
+    return kept_per_object(_GLOBALS_ASKED, (code,), None, lambda: _globals_asked(code))
+
+
+#: globals_asked's, by code object (:func:`kept_per_object`).
+_GLOBALS_ASKED: dict[Any, Any] = {}
+
+
+def _globals_asked(code: Any) -> GlobalsAsked:
+    """:func:`globals_asked`, made anew."""
+    read: set[str] = set()
+    written: set[str] = set()
+    whole = False
+    for each in reached_code(code, None):
+        if "globals" not in each.co_names:
+            continue
+        ins = list(dis.get_instructions(each))
+        for i, op in enumerate(ins):
+            if op.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or op.argval != "globals":
+                continue
+            use = _globals_use(ins, i)
+            if use is None:
+                whole = True
+            elif use[1]:
+                written.add(use[0])
+            else:
+                read.add(use[0])
+    return GlobalsAsked(frozenset(read), frozenset(written), whole)
+
+
+def _globals_use(ins: list[Any], i: int) -> tuple[str, bool] | None:
+    """The constant name ``globals()`` called at ``ins[i]`` (the load of ``globals``) is
+    used by, and whether that use sets it (``globals()["K"] = v``, ``del globals()["K"]``,
+    ``.setdefault``); None for any other use."""
+    k = i + 1
+    while k < len(ins) and ins[k].opname in _CALL_PREFIXES:
+        k += 1
+    if k >= len(ins) or ins[k].opname != "CALL" or ins[k].arg:
+        return None
+    after = ins[k + 1 : k + 3]
+    ops = [o.opname for o in after]
+    subscripted = ops[1:] and ops[1] in ("BINARY_SUBSCR", "STORE_SUBSCR", "DELETE_SUBSCR")
+    if subscripted and ops[0] == "LOAD_CONST" and isinstance(after[0].argval, str):
+        return after[0].argval, ops[1] != "BINARY_SUBSCR"
+    if ops[:1] and ops[0] in _METHOD_LOADS and after[0].argval in ("get", "setdefault"):
+        name = _constant_argument(ins, k + 2)
+        return None if name is None else (name, after[0].argval == "setdefault")
+    before = ins[i - 1] if i > 0 else None
+    named = before.argval if before is not None and before.opname == "LOAD_CONST" else None
+    if ops[:1] == ["CONTAINS_OP"] and isinstance(named, str):
+        return named, False
+    return None
 
 
 class Read(enum.Enum):
@@ -1632,8 +1834,8 @@ def _names_read(code: Any, parts: list[str], how: Read) -> tuple[str, ...] | Non
     through a local: :func:`reached_otherwise`)."""
     names: set[str] = set()
     written: set[str] = set()
-    if reached_otherwise(code, parts):
-        return None
+    if reached_otherwise(code, parts) or parts[0] in globals_asked(code).read:
+        return None  # globals()["CFG"]["gain"] beside CFG["bias"]: no use says all it reads
     for ins, start, end in _chain_sites(code, parts):
         field = field_written(ins, end) if how is Read.BY_FIELD else None
         if field is not None:
@@ -1765,7 +1967,8 @@ def only_recorded(code: Any, dotted: str) -> bool:
 def _only_recorded(code: Any, dotted: str) -> bool:
     """:func:`only_recorded`, made anew."""
     sites = 0
-    if reached_otherwise(code, dotted.split(".")):
+    parts = dotted.split(".")
+    if reached_otherwise(code, parts) or parts[0] in globals_asked(code).read:
         return False
     for ins, _, end in _chain_sites(code, dotted.split(".")):
         if not _recorded_site(ins, end):
@@ -2409,6 +2612,12 @@ def namespace_attribute(namespace: Any, name: str) -> Any:
         found = inspect.getattr_static(namespace, name)
     except AttributeError:
         return _ABSENT
+    return class_value(namespace, found)
+
+
+def class_value(namespace: Any, found: Any) -> Any:
+    """What :func:`namespace_attribute` gives for ``found``, an attribute of the class
+    ``namespace`` as ``inspect.getattr_static`` finds it."""
     if isinstance(found, classmethod):
         return types.MethodType(found.__func__, namespace)  # reads cls.GAIN: its class's
     if isinstance(found, staticmethod):
@@ -2785,7 +2994,10 @@ def _methods_run(cls: type) -> list[Any]:
     ``_apply(self, x)`` or ``helpers.apply(self, x)`` calling ``m.scaled(x)``; a library
     base class's method those names reach, ``nn.Conv1d.forward`` calling the user's
     ``_conv_forward`` override, at any depth), with what each reaches
-    (:func:`reached_methods`), until no more are found. Kept per class and
+    (:func:`reached_methods`), until no more are found; the user's ``__call__``, the
+    function of a ``partialmethod`` and what a wrapper made without ``functools.wraps``
+    holds (:func:`functions_held`); every method of the user's classes where one asks for
+    an attribute by a name made at run time (:func:`picks_at_run_time`). Kept per class and
     :func:`class_layout`."""
     state = (class_layout(cls), _own_callables(cls))
     return list(kept_per_object(_RUN, (cls,), state, lambda: _methods_found(cls)))
@@ -2810,8 +3022,9 @@ def own_class_values(cls: type) -> list[Any]:
         for k, mine in _own_in_mro(cls)
         if mine
         for v in vars(k).values()
-        if inspect.isroutine(v) or isinstance(v, _METHOD_KINDS)
-    ]
+        if type(v) is types.FunctionType
+        or (type(v) not in _PLAIN_TYPES and (inspect.isroutine(v) or isinstance(v, _METHOD_KINDS)))
+    ]  # a plain value, most of what a class holds but its functions, is no method: not asked
 
 
 #: What a class holds as a method (own_class_values's), beside plain functions.
@@ -2823,20 +3036,22 @@ _RUN: dict[Any, Any] = {}
 
 
 def _methods_found(cls: type) -> list[Any]:
-    """:func:`_methods_run`, made anew."""
+    """:func:`_methods_run`, made anew. The user's ``__call__`` runs first, whatever the
+    forward; a function wraps what its closure cells hold of the user's (a decorator made
+    without ``functools.wraps``), and a ``partialmethod`` runs its function."""
     own = [k for k in cls.__mro__ if not is_library_code(k)]
     library = [k for k in cls.__mro__ if is_library_code(k)]
     names, found, library_read = {"forward"}, dict[Any, None](), set[Any]()
     while True:
         names |= _library_reaches(library, names, library_read)
-        defined = [method_function(attr) for k in own for n, attr in vars(k).items() if n in names]
-        new = [
+        defined = [
             f
-            for d in defined
-            if inspect.isfunction(d)
-            for f in reached_methods(d, cls)
-            if f not in found
+            for k in own
+            for n, attr in vars(k).items()
+            if n in names or n == "__call__"  # only the user's: nn.Module's reads no setting
+            for f in functions_held(attr)
         ]
+        new = [f for d in defined for f in reached_methods(d, cls) if f not in found]
         if not new:
             return list(found)
         found.update(dict.fromkeys(new))
@@ -2844,6 +3059,45 @@ def _methods_found(cls: type) -> list[Any]:
             names |= {n for code in reached_code(f.__code__, cls) for n in attribute_names(code)}
             if not is_library_code(f):  # a library's own code asks nothing of the user's
                 names |= {*names_asked(f, cls), *helpers_attribute_names(f)}
+                names |= own_names(cls) if picks_at_run_time(f, cls) else set()
+
+
+def functions_held(attr: Any) -> list[Any]:
+    """The functions a class attribute runs when called (:func:`~featbake.keys.
+    method_function`: a method, a property's getter, a static or class method's function),
+    the function a ``functools.partialmethod`` calls (``forward_fast = partialmethod(_run,
+    scale=2.0)``), and those of the user's code a function holds in its closure cells (a
+    decorator's wrapper made without ``functools.wraps`` calls the method it was given),
+    in turn; each once."""
+    found: dict[Any, None] = {}
+    todo = [(attr, True)]
+    while todo:
+        now, direct = todo.pop()
+        if isinstance(now, functools.partialmethod):
+            todo.append((now.func, direct))
+            continue
+        func = method_function(now)
+        if not inspect.isfunction(func) or func in found or not (direct or is_own_code(func)):
+            continue
+        found[func] = None
+        todo += [(held, False) for held in _cell_values(func) if _runnable(held)]
+    return list(found)
+
+
+def _runnable(value: Any) -> bool:
+    """Whether a closure cell's value is a function or ``partialmethod`` a wrapper may run."""
+    return type(value) is types.FunctionType or isinstance(value, functools.partialmethod)
+
+
+def _cell_values(func: Any) -> list[Any]:
+    """What ``func``'s closure cells hold (an empty cell left out)."""
+    held = []
+    for cell in func.__closure__ or ():
+        try:
+            held.append(cell.cell_contents)
+        except ValueError:
+            continue
+    return held
 
 
 def _library_reaches(library: list[type], names: set[str], read: set[Any]) -> set[str]:
@@ -2909,7 +3163,7 @@ def reached_by_globals(func: Any) -> list[tuple[str, Any]]:
     ``helpers.apply``, ``ops.gelu``), by its (dotted) name, with what it holds now (``None``
     for a global not bound)."""
     found = func.__globals__
-    out = [(g, found.get(g)) for g in global_names(func.__code__)]
+    out = [(g, found.get(g)) for g in globals_named(func)]
     for g, chain in attribute_chains(func.__code__):
         if g in found and leads_on(found[g], chain[0]):
             out.append(reached_attribute(g, found[g], chain))
@@ -2963,11 +3217,13 @@ def forward_reads(
     shadowed = instance_names(module)
     rows = []
     read_before: set[Any] = set()
+    states = {cls: forward_state(cls) for cls in dict.fromkeys(cls for cls, _ in functions)}
     for cls, func in functions:
         refused = len(reading.refused)
+        reading.globals_written = states[cls].globals_written
         read = [] if func in read_before else reading.globals_read(func)
         read_before.add(func)
-        own = class_written_names(func, cls)  # type(self)._fb = w, a class memo dict filled
+        own = states[cls].class_written  # type(self)._fb = w, a class memo dict filled
         settings = reading.class_settings(cls, func, shadowed.get(cls, frozenset()) | own)
         read += [settings] if settings else []
         if left_out is not None:
@@ -2977,6 +3233,42 @@ def forward_reads(
             named = f"{owner}.{func.__qualname__}@{cls.__qualname__}({','.join(read)})"
             rows.append(((cls, func), named))
     return rows
+
+
+@dataclass(frozen=True)
+class ForwardState:
+    """What the functions a class's forward may run (:func:`_methods_run`) set as their own
+    state, read back or not: the names set on the class or recorded into there
+    (:func:`class_written_names`), and, by the id of a globals dict, the globals they set
+    there (``global STEP; STEP += 1``, ``globals()["K"] = v``). One method's counter read by
+    another (``report()`` reading ``type(self).calls``) is the forward's own, not a
+    setting: keyed, each run would change the key."""
+
+    class_written: frozenset[str]
+    globals_written: dict[int, frozenset[str]]
+
+
+def forward_state(cls: type) -> ForwardState:
+    """:class:`ForwardState` of ``cls``, kept per class, layout and methods held (as
+    :func:`_methods_run`)."""
+    state = (class_layout(cls), _own_callables(cls))
+    return kept_per_object(_FORWARD_STATE, (cls,), state, lambda: _forward_state(cls))
+
+
+#: forward_state's, by class and state (:func:`kept_per_object`).
+_FORWARD_STATE: dict[Any, Any] = {}
+
+
+def _forward_state(cls: type) -> ForwardState:
+    """:func:`forward_state`, made anew."""
+    names: set[str] = set()
+    written: dict[int, set[str]] = {}
+    for func in _methods_run(cls):
+        names |= class_written_names(func, cls)
+        by_global = written_names(func.__code__, GLOBAL_WRITES)
+        by_global |= globals_asked(func.__code__).written
+        written.setdefault(id(func.__globals__), set()).update(by_global)
+    return ForwardState(frozenset(names), {k: frozenset(v) for k, v in written.items()})
 
 
 def class_written_names(func: Any, cls: type) -> frozenset[str]:

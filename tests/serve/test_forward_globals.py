@@ -8,6 +8,7 @@ reverse tests check that a forward recording into globals, or reading none, keep
 
 from __future__ import annotations
 
+import functools
 import importlib
 import subprocess
 import sys
@@ -68,14 +69,23 @@ def apply_it(m, x):
 
 
 from torch.nn.functional import gelu  # noqa: E402
+from featbake.testing import TinyConvEncoder  # noqa: E402
+
+
+class PicksAHelperByName(TinyConvEncoder):
+    helper = "gained"
+
+    def forward(self, wav):
+        return globals()[self.helper](super().forward(wav))
 """
 
 _MODEL = """
+import functools
 import types
 import torch
 from featbake.testing import TinyConvEncoder
 from . import shared
-from .shared import gained
+from .shared import gained, PicksAHelperByName  # noqa: F401
 
 SCALE = 2.0
 CALLS = 0
@@ -411,6 +421,83 @@ class ReadsAGlobalAdapter(TinyConvEncoder):
         return super().forward(wav) * ADAPTER[0].weight.sum().detach()
 
 
+class PicksAHeadByName(TinyConvEncoder):
+    mode = "fast"
+    calls = 0
+
+    def forward_fast(self, y):
+        return y * shared.STATE.scale
+
+    def forward_slow(self, y):
+        return y
+
+    def report(self):
+        return f"{self.calls} calls"  # read where no forward runs it: the counter is its own
+
+    def forward(self, wav):
+        type(self).calls += 1
+        return getattr(self, "forward_" + self.mode)(super().forward(wav))
+
+
+class PicksAHeadByAnFString(TinyConvEncoder):
+    kind = "gain"
+    GAIN = 2.0
+
+    def _gain_head(self, y):
+        return y * self.GAIN
+
+    def _plain_head(self, y):
+        return y
+
+    def forward(self, wav):
+        return getattr(type(self), f"_{self.kind}_head")(self, super().forward(wav))
+
+
+class HasAPartialMethod(TinyConvEncoder):
+    def _run(self, wav, scale):
+        return super().forward(wav) * scale * shared.STATE.scale
+
+    forward_fast = functools.partialmethod(_run, scale=2.0)
+
+    def forward(self, wav):
+        return self.forward_fast(wav)
+
+
+def timed(fn):
+    calls = 0
+
+    def wrapper(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class WrappedWithoutWraps(TinyConvEncoder):
+    @timed
+    def forward(self, wav):
+        return super().forward(wav) * shared.STATE.scale
+
+
+class ScalesInItsCall(TinyConvEncoder):
+    GAIN = 2.0
+
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs) * self.GAIN * shared.STATE.scale
+
+
+OPTIONS = {"gain": 1.0, "bias": 0.0}
+
+
+class ReadsThroughGlobals(TinyConvEncoder):
+    def forward(self, wav):
+        if globals().get("LAST_LENGTH") != wav.shape[-1]:  # its own state, read back
+            globals()["LAST_LENGTH"] = wav.shape[-1]
+        y = super().forward(wav) * globals()["SCALE"] + OPTIONS["bias"]
+        return y * globals()["OPTIONS"]["gain"] * globals().get("EXTRA", 1.0)
+
+
 class Records(TinyConvEncoder):
     def forward(self, wav):
         global CALLS
@@ -528,6 +615,37 @@ CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
         "HoldsAClassWindow",
         lambda m: m.HoldsAClassWindow.WINDOW.fill_(0.25),
     ),
+    # Round twenty-six: each of these was served stale.
+    "read-by-a-method-picked-by-a-name-made-at-run-time": ("PicksAHeadByName", _setting),
+    "class-setting-read-by-a-method-picked-by-an-f-string": (
+        "PicksAHeadByAnFString",
+        lambda m: setattr(m.PicksAHeadByAnFString, "GAIN", 3.0),
+    ),
+    "read-by-the-function-of-a-partialmethod": ("HasAPartialMethod", _setting),
+    "partialmethod-keyword-set-anew": (
+        "HasAPartialMethod",
+        lambda m: setattr(
+            m.HasAPartialMethod,
+            "forward_fast",
+            functools.partialmethod(m.HasAPartialMethod._run, scale=3.0),
+        ),
+    ),
+    "read-by-a-forward-a-decorator-wraps-without-wraps": ("WrappedWithoutWraps", _setting),
+    "read-by-an-overridden-call": ("ScalesInItsCall", _setting),
+    "class-setting-read-by-an-overridden-call": (
+        "ScalesInItsCall",
+        lambda m: setattr(m.ScalesInItsCall, "GAIN", 3.0),
+    ),
+    "global-read-through-globals": ("ReadsThroughGlobals", lambda m: setattr(m, "SCALE", 4)),
+    "global-dict-item-read-through-globals": (
+        "ReadsThroughGlobals",
+        lambda m: m.OPTIONS.__setitem__("gain", 3.0),
+    ),
+    "global-gained-read-through-globals-get": (
+        "ReadsThroughGlobals",
+        lambda m: setattr(m, "EXTRA", 3.0),
+    ),
+    "helper-picked-from-globals-by-a-name-made-at-run-time": ("PicksAHelperByName", _gain),
 }
 
 
@@ -619,6 +737,43 @@ def test_an_unchanged_global_serves_hits(
     assert cached.cache_info()["encoded"] == 3
     reopened = _baked_then_reopened(audio_dir, module, tmp_path / "d", n=2)
     _assert_live(reopened, module, 2)
+
+
+#: Round twenty-six's forwards, each read further than a forward's own code now.
+RUN_TIME_PICKS = [
+    "PicksAHeadByName",
+    "PicksAHeadByAnFString",
+    "HasAPartialMethod",
+    "WrappedWithoutWraps",
+    "ScalesInItsCall",
+    "ReadsThroughGlobals",
+    "PicksAHelperByName",
+]
+
+
+@pytest.mark.parametrize("name", RUN_TIME_PICKS)
+def test_a_forward_read_further_unchanged_keeps_its_key(
+    package: ModuleType, tmp_path: Path, audio_dir: Path, name: str
+) -> None:
+    """No needless miss where a forward picks a method by a name made at run time, runs a
+    ``partialmethod``, is wrapped without ``functools.wraps``, runs through an overridden
+    ``__call__`` or reads ``globals()["K"]``, its settings unchanged: the key is the same after
+    forwards ran (a counter it keeps on its class, a global it sets through ``globals()``, a
+    wrapper's call count are its own state), a second pass of one ``CachedEncoder`` is all
+    hits and a dataset reopened with ``on_miss="error"`` serves every item from the store."""
+    module = frozen(getattr(package, name)())
+    before = from_module(module).fingerprint
+    x = waves(3)
+    ids = [f"utt{i}" for i in range(3)]
+    cached = CachedEncoder(module, cache=tmp_path / "c", ram_cache=0)
+    cached(x, ids=ids)
+    cached(x, ids=ids)
+    info = cached.cache_info()
+    assert info["encoded"] == 3 and sum(v for k, v in info.items() if k.startswith("hits_")) == 3
+    assert from_module(module).fingerprint == before
+    reopened = _baked_then_reopened(audio_dir, module, tmp_path / "d", n=2)  # on_miss="error"
+    _assert_live(reopened, module, 2)
+    assert from_module(module).fingerprint == before
 
 
 @pytest.mark.parametrize(
