@@ -63,6 +63,7 @@ from featbake.keys import (
     written_below,
 )
 from featbake.keys import keyed_attribute as keyed_attribute
+from featbake.store.shard import crc32c_tensor
 
 
 # == identity ======================================================================================
@@ -195,12 +196,15 @@ def _config_part(value: Any) -> Any:
 def held_attribute(key: str, value: Any, derived: frozenset[str]) -> bool:
     """Whether attribute ``key`` holding ``value`` is read as a hook's held value is
     (:func:`held_attribute_text`): anything but derived state (``derived``: what the forward
-    writes or records into, :func:`module_derived`), a plain value, a tensor, a module, a
-    class or a Python module (each read by the rules it had), a list, tuple or dict holding
+    writes or records into, :func:`module_derived`), a plain value, a tensor, a class or a
+    Python module (each read by the rules it had), a list, tuple or dict holding
     tensors (read by their versions), or ``forward`` set on the instance (refused while it
     differs: no key reads it): a settings dict, a ``SimpleNamespace``, ``argparse.Namespace``
     or dataclass, a config object, a function or lambda, a partial, a bound method, a builtin
-    bound to an object (a settings dict's ``get``), a numpy array (a window, a mean)."""
+    bound to an object (a settings dict's ``get``), a numpy array (a window, a mean), a module
+    set on the instance without being registered (``self.__dict__["teacher"] = m``, kept out of
+    ``state_dict`` and ``.to()``: read by its state, :func:`global_module_digest`; no key read
+    it before)."""
     if key in derived or key == "forward" or _primitive(value):
         return False
     if isinstance(value, _READ_OTHERWISE):
@@ -208,7 +212,7 @@ def held_attribute(key: str, value: Any, derived: frozenset[str]) -> bool:
     return not contained_tensors("", value) if type(value) in (list, tuple, dict) else True
 
 
-_READ_OTHERWISE = (torch.Tensor, torch.nn.Module, type, types.ModuleType)
+_READ_OTHERWISE = (torch.Tensor, type, types.ModuleType)
 
 
 def held_attribute_text(module: Any, value: Any, *, exact: bool, key: str = "") -> str | None:
@@ -1677,13 +1681,27 @@ def mode_dependent_submodule(module: torch.nn.Module) -> str | None:
 
 def _module_stamp(module: torch.nn.Module) -> tuple[Any, ...]:
     """What :func:`global_module_digest` reads of a module at each forward: its tensors' ids,
-    versions, pointers, dtypes and shapes, its submodules' classes and modes, and its plain
-    attributes' digest (an inference tensor's version as -1: :func:`_version`)."""
+    versions, pointers, dtypes and shapes, a CRC-32C of each one's bytes on the CPU (an edit
+    behind the version counters, ``weight.data.mul_`` as an EMA update makes, is seen at each
+    forward, as a ``CachedEncoder`` probes its own module's weights: ~4 ms for 100 MB), its
+    submodules' classes and modes, and its plain attributes' digest (an inference tensor's
+    version as -1: :func:`_version`). A tensor on a device is read by its version alone here
+    (the exact read before each batch of misses reads its values)."""
     tensors = [*module.parameters(), *module.buffers()]
     tensors += [t for _, t in tensor_attributes(module)]
-    read = tuple((id(t), _version(t), t.data_ptr(), t.dtype, t.shape) for t in tensors)
+    read = tuple(
+        (id(t), _version(t), t.data_ptr(), t.dtype, t.shape, _host_crc(t)) for t in tensors
+    )
     subs = tuple((type(sub), sub.training) for sub in module.modules())
     return (read, subs, attribute_identity(module))
+
+
+def _host_crc(tensor: torch.Tensor) -> int | None:
+    """The CRC-32C of a tensor's bytes where it is on the CPU and has any (None elsewhere)."""
+    t = tensor.detach()
+    if t.device.type != "cpu" or not t.numel():
+        return None
+    return crc32c_tensor(t)
 
 
 def _version(tensor: torch.Tensor) -> int:

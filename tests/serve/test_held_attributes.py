@@ -142,6 +142,20 @@ class _HeldAdapter(TinyConvEncoder):
         return self.extra.adapter(out.unsqueeze(-1)).squeeze(-1)
 
 
+class _UnregisteredAdapter(TinyConvEncoder):
+    """An adapter network set on the instance's ``__dict__``, not registered as a submodule
+    (as a teacher is kept out of ``state_dict`` and ``.to()``), run on the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        adapter = torch.nn.Linear(1, 1).eval().requires_grad_(False)
+        self.__dict__["adapter"] = adapter
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        out = super().forward(wav)
+        return self.adapter(out.unsqueeze(-1)).squeeze(-1)
+
+
 def _other_adapter(m: Any) -> None:
     torch.manual_seed(7)
     m.extra.adapter = torch.nn.Linear(1, 1).eval().requires_grad_(False)
@@ -193,6 +207,20 @@ CHANGES = {
         lambda m: m.extra.adapter.weight.mul_(3.0),
     ),
     "namespace-module-replaced": (_HeldAdapter, _other_adapter),
+    # r26.8: an EMA update through ``.data`` keeps the version counters; an unregistered
+    # module was read by no key at all.
+    "namespace-module-weights-edited-through-data": (
+        _HeldAdapter,
+        lambda m: m.extra.adapter.weight.data.mul_(3.0),
+    ),
+    "unregistered-module-weights-edited": (
+        _UnregisteredAdapter,
+        lambda m: m.adapter.weight.mul_(3.0),
+    ),
+    "unregistered-module-weights-edited-through-data": (
+        _UnregisteredAdapter,
+        lambda m: m.adapter.weight.data.mul_(3.0),
+    ),
     "namespace-in-a-dict-tensor-edited": (
         functools.partial(_HeldStatistics, "dict"),
         lambda m: m.stats.std.fill_(0.5),
@@ -239,7 +267,9 @@ def served_live_by_an_open_cached_encoder(module: Any, tmp_path: Path, change: A
     torch.testing.assert_close(cached(x, ids=["a", "b"]), now)
 
 
-@pytest.mark.parametrize("cls", [_DictSettings, _NamespaceSettings, _HeldCallables])
+@pytest.mark.parametrize(
+    "cls", [_DictSettings, _NamespaceSettings, _HeldCallables, _UnregisteredAdapter]
+)
 def test_an_unchanged_held_setting_serves_hits(tmp_path: Path, audio_dir: Path, cls: type) -> None:
     """r16.3: no needless miss: a second pass of one ``CachedEncoder`` reads every row from the
     store (RAM tier off), and a dataset reopened with ``on_miss="error"`` serves them."""
