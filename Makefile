@@ -35,8 +35,10 @@ emulators:
 # Python keeps what it compiles (and pytest its rewritten test modules) in __pycache__, even where
 # the environment sets PYTHONDONTWRITEBYTECODE: otherwise every CLI subprocess and rank compiles
 # featbake again, and each worker rewrites every test module (7% of a CLI test file's CPU).
+# The 20 slowest tests close the run's output: where the suite's time goes, at each CI run.
 test: install emulators
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+		--durations=20
 
 # Opt-in race hunting, not part of `make test` (slower): the suite with benchmarks/hunt_plugin.py,
 # which makes every test process report 16 CPUs (featbake.device.process_cpus, os.cpu_count,
