@@ -929,10 +929,14 @@ class _Bake:
 
         It names keys, not features, so readers can map index -> key (and gc keeps these keys
         live) while the features are still being encoded. The rows a dataset kept back
-        (``roots/<name>.held``) are this build's to decide: its record goes.
+        (``roots/<name>.held``) are this build's to decide: its record goes once its root is
+        published, here, or (a build in parts, into a bucket) by the merge that publishes it
+        (``merge._fold_build``): taken before, the catalog's root still named a kept-back row
+        with its record gone, and the next dataset served it as built.
         """
         self.catalog.replace_root(self.root_spec(), self.manifest)
-        write_held(self.layout, self.report.root, {})
+        if not self.catalog.fragmented:
+            write_held(self.layout, self.report.root, {})
 
     def root_spec(self) -> RootSpec:
         """The root this build publishes: its data, encoder and recipe, and the folder the

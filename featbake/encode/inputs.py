@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import warnings
 import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, Protocol, runtime_checkable
@@ -605,12 +606,28 @@ def read_as_built(inputs: Inputs, build_workdir: str) -> None:
     working directory holds). A file found in none of them is gone (its row's stored
     features served as built, or kept back: featbake.serve.index), not read from another file
     of the same name in this process's working directory, which its build did not read; the
-    root the dataset publishes keeps recording ``build_workdir``. Set before the scan."""
+    root the dataset publishes keeps recording ``build_workdir``. Set before the scan.
+
+    A ``build_workdir`` that is no folder now (the project moved, the job's scratch folder
+    removed) holds none of the files built: the data is read as a build reads it
+    (:func:`falling_back_to`: here, where the files may be now, each hashed and a changed one
+    encoded live, and the root then records where they were found), after one warning; read
+    as built, every row would have been served its stored features unchecked."""
     from featbake.encode.manifests import RowInputs
 
     falling_back_to(inputs, build_workdir)
-    if isinstance(inputs, (Table, RowInputs)):
-        inputs.reads_here = False
+    if not takes_paths_from_workdir(inputs) or not isinstance(inputs, (Table, RowInputs)):
+        return
+    if not os.path.isdir(build_workdir):
+        warnings.warn(
+            f"{inputs.where}'s relative paths were taken from {build_workdir} when it was "
+            f"built, which is no folder now: reading them from {os.getcwd()} instead (a file "
+            "changed since its build is encoded again); run `featbake build` from the folder "
+            "they are relative to now to record it",
+            stacklevel=4,
+        )
+        return
+    inputs.reads_here = False
 
 
 def paths_taken(inputs: Inputs) -> tuple[str, str]:

@@ -488,16 +488,16 @@ class RowInputs:
         self.workdir_recorded = bool(workdir)  # a build's, not this process's own
         #: The folder the root's last build took relative paths from, where a rebuild or a
         #: dataset opens the data from another working directory (set before the scan): a
-        #: rebuild takes a relative path not found from :attr:`workdir` from there
-        #: (:meth:`ToolPaths.file`), so it reads every file its last build read; a dataset takes
+        #: rebuild takes relative paths from there first, then from :attr:`workdir`
+        #: (:meth:`tool_paths`), so it reads every file its last build read; a dataset takes
         #: them from there alone (:attr:`reads_here`).
         self.build_workdir = ""
-        #: Whether a relative path is looked for from :attr:`workdir` before
-        #: :attr:`build_workdir`: a build's is (Kaldi and lhotse read it there); a dataset's
-        #: is not (:func:`~featbake.encode.inputs.read_as_built`): it takes relative paths
-        #: from the build's folder alone, so it reads the files its root's build read, and a
-        #: file gone from there is gone (served as built), not another file of the same name
-        #: in this process's working directory.
+        #: Whether a relative path may be taken from :attr:`workdir` where
+        #: :attr:`build_workdir` is set: a rebuild's may, after the build's folder; a
+        #: dataset's may not (:func:`~featbake.encode.inputs.read_as_built`): it takes
+        #: relative paths from the build's folder alone, so it reads the files its root's
+        #: build read, and a file gone from there is gone (served as built), not another file
+        #: of the same name in this process's working directory.
         self.reads_here = True
         #: The folder the last scan took relative paths from, for a root to record: the
         #: build's (:attr:`build_workdir`) where every relative path found was found only
@@ -515,13 +515,21 @@ class RowInputs:
     def tool_paths(self, manifest: str) -> ToolPaths:
         """The finder of the files ``manifest`` names relative to the working directory (a
         parse's), kept until its scan reads where it found them (:attr:`found_in`): from the
-        build's folder alone where the data is read as built (:attr:`reads_here` off), else
-        from :attr:`workdir`, then the build's folder."""
+        build's folder alone where the data is read as built (:attr:`reads_here` off: a
+        dataset); from the build's folder first, then :attr:`workdir`, where a rebuild runs
+        elsewhere while that folder is there (the files it built, not other files of the same
+        names here: a rebuild that read one clip here and the rest there recorded this folder,
+        and its datasets served the others as built after they changed there); else from
+        :attr:`workdir` (the build's folder, if any, after it)."""
         if self.build_workdir and not self.reads_here:
             self._finder = ToolPaths(manifest, self.build_workdir, recorded=True)
+        elif self.build_workdir and os.path.isdir(self.build_workdir):
+            self._finder = ToolPaths(
+                manifest, self.build_workdir, recorded=True, fallback=self.workdir
+            )
         else:
             self._finder = ToolPaths(
-                manifest, self.workdir, recorded=self.workdir_recorded, build=self.build_workdir
+                manifest, self.workdir, recorded=self.workdir_recorded, fallback=self.build_workdir
             )
         return self._finder
 
@@ -546,7 +554,9 @@ class RowInputs:
         parsed = self.parse()
         finder, self._finder = self._finder, None  # not pickled into workers: a path per file
         if finder is not None:
-            self.found_in = finder.build if finder.at_build and not finder.here else finder.cwd
+            self.found_in = (
+                finder.fallback if finder.at_fallback and not finder.here else finder.cwd
+            )
         # Filled in place: a source made before the scan (the build makes it first) sees them.
         self.items.clear()
         self.by_path.clear()
@@ -1431,23 +1441,23 @@ class ToolPaths:
         recorded: ``workdir`` is the one a build ran in, as its root records it
             (:attr:`featbake.store.roots.Root.workdir`): the data is opened again, maybe from
             elsewhere (a bad row's line names it so).
-        build: the folder the root's build took relative paths from, where it is not
-            ``workdir`` (a rebuild run from another directory): a relative path missing
-            from ``workdir`` is taken from there (where the bytes the store holds features of
-            were read), so a file changed since is read as it is, not served as built. A
-            dataset is given no ``build``: its ``workdir`` is the build's folder itself.
+        fallback: the folder a relative path missing from ``workdir`` is taken from, where
+            it is not ``workdir``: a rebuild's own working directory, after the folder its
+            root's last build read (``workdir``, which a rebuild reads first: the files it
+            built, not other files of the same names here), for a row naming a file only
+            this directory holds. A dataset is given none: it reads the recorded folder alone.
     """
 
     def __init__(
-        self, manifest: str, workdir: str = "", *, recorded: bool = False, build: str = ""
+        self, manifest: str, workdir: str = "", *, recorded: bool = False, fallback: str = ""
     ) -> None:
         self.manifest = manifest
         self.recorded = recorded
         self.cwd = workdir or os.getcwd()
-        self.build = build if build and build != self.cwd else ""
+        self.fallback = fallback if fallback and fallback != self.cwd else ""
         self.seen: dict[str, str | BadRow] = {}
-        #: The absolute files taken from :attr:`build` (found there, not from :attr:`cwd`).
-        self.at_build: set[str] = set()
+        #: The absolute files taken from :attr:`fallback` (found there, not from :attr:`cwd`).
+        self.at_fallback: set[str] = set()
         self.here = 0  # relative paths found from :attr:`cwd`
 
     def file(self, value: Any) -> str:
@@ -1470,8 +1480,9 @@ class ToolPaths:
         return got
 
     def folder_of(self, file: str) -> str:
-        """The folder ``file``'s relative path was taken from (:attr:`build` or :attr:`cwd`)."""
-        return self.build if file in self.at_build else self.cwd
+        """The folder ``file``'s relative path was taken from (:attr:`fallback` or
+        :attr:`cwd`)."""
+        return self.fallback if file in self.at_fallback else self.cwd
 
     def _placed(self, value: Any) -> str:
         file = input_file(value, self.cwd, "recording.sources[].source")
@@ -1481,11 +1492,11 @@ class ToolPaths:
         if os.path.exists(file):
             self.here += 1
             return file
-        if self.build:
-            built = input_file(value, self.build, "recording.sources[].source")
-            if os.path.exists(built):
-                self.at_build.add(built)
-                return built
+        if self.fallback:
+            other = input_file(value, self.fallback, "recording.sources[].source")
+            if os.path.exists(other):
+                self.at_fallback.add(other)
+                return other
         folder = os.path.dirname(self.manifest)
         beside = os.path.normpath(os.path.join(folder, value))
         if os.path.exists(beside):

@@ -741,3 +741,31 @@ def test_a_row_edited_before_a_repair_writes_the_manifest_anew_is_still_kept_bac
     assert [ds.item_id(i) for i in range(len(ds))] == [f"train.parquet:{n}" for n in (0, 1, 2)]
     for i in range(3):
         assert torch.equal(ds[i], b.want[i]), i
+
+
+def test_a_part_of_a_build_leaves_the_rows_kept_back_kept_back_until_its_root_is_published(
+    tmp_path: Path, encoder_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Row 4 edited to name a missing clip (its own deleted), row 0 to name a new clip: a
+    dataset keeps row 4 back and publishes the root (row 0's new key). Then part 0 of a build
+    in two parts runs (`--shard 0/2`; its manifest waits for the merge): the next dataset keeps
+    row 4 back all the same. Before, the part took the record of rows kept back though it
+    published no root, and the next dataset served row 4 the deleted clip's features."""
+    b = built_in_project(tmp_path, encoder_file, monkeypatch)
+    t, store, report = b.t, b.store, b.report
+    write_clip(t.project / "clips" / "new0.wav", 99)
+    cells = t.cells()
+    write_path_parquet(
+        t.table, [only_path("clips/new0.wav"), *cells[1:4], only_path("clips/renamed.wav")]
+    )
+    t.files[4].unlink()
+    root_before(store, report.root, t.table)
+    served = [f"train.parquet:{n}" for n in (0, 1, 2)]
+    for part in (None, "0/2"):
+        if part is not None:
+            build(t.table, encoder_file, cache=store, workers=0, column="audio", shard=part)
+        with pytest.warns(UserWarning) as told:
+            ds = CachedFeatureDataset(t.table, encoder_file, cache=store, column="audio")
+        lines = [str(w.message) for w in told if "train.parquet:4" in str(w.message)]
+        assert len(lines) == 1 and "kept, not served" in lines[0], (part, lines)
+        assert [ds.item_id(i) for i in range(len(ds))] == served, part

@@ -372,11 +372,12 @@ def _first_fifth(clip: Path, tmp_path: Path) -> Path:
 def test_a_finder_given_the_builds_folder_says_where_each_path_was_found(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``ToolPaths(build=)``: a relative path found from the working directory is taken from
-    there, one found only in the build's folder from there, one found in neither names the
-    working directory's (the row then fails to read, as before); an absolute path is kept.
-    A cut manifest scanned with ``build_workdir`` records the build's folder only when every
-    relative path it found came from there."""
+    """``ToolPaths(fallback=)``: a relative path found from its folder is taken from there, one
+    found only in the fallback folder from there, one found in neither names the first
+    folder's (the row then fails to read, as before); an absolute path is kept. A cut
+    manifest rebuilt from elsewhere with ``build_workdir`` takes its relative paths from the
+    build's folder first (the files built, not a copy of one of them here), and records this
+    directory only where every relative path it found came from here alone."""
     from featbake.encode.inputs import falling_back_to, inputs_at, workdir_of
     from featbake.encode.manifests import ToolPaths
 
@@ -385,14 +386,14 @@ def test_a_finder_given_the_builds_folder_says_where_each_path_was_found(
         folder.mkdir()
         for n in names:
             (folder / n).write_bytes(b"x")
-    finder = ToolPaths(str(tmp_path / "cuts.jsonl"), str(here), build=str(build))
+    finder = ToolPaths(str(tmp_path / "cuts.jsonl"), str(here), fallback=str(build))
     assert finder.file("a.wav") == str(here / "a.wav")
     assert finder.file("b.wav") == str(build / "b.wav")
     assert finder.file("c.wav") == str(here / "c.wav")
     assert finder.file(str(build / "a.wav")) == str(build / "a.wav")
     assert finder.folder_of(str(build / "b.wav")) == str(build)
     assert finder.folder_of(str(here / "a.wav")) == str(here)
-    assert ToolPaths("m", str(here), build=str(here)).build == ""
+    assert ToolPaths("m", str(here), fallback=str(here)).fallback == ""
 
     monkeypatch.chdir(tmp_path)
     clips = _aged_clips(tmp_path, 2)
@@ -409,8 +410,16 @@ def test_a_finder_given_the_builds_folder_says_where_each_path_was_found(
     assert json.loads(effects.recording)["sources"][0]["source"] == str(clips[1])
     (tmp_path / "elsewhere" / clips[0].relative_to(tmp_path)).parent.mkdir(parents=True)
     shutil.copy2(clips[0], tmp_path / "elsewhere" / clips[0].relative_to(tmp_path))
+    inputs.scan(())  # the build's clips first: the copy here is not read
+    assert workdir_of(inputs) == str(tmp_path)
+    assert sorted(i.file for i in inputs.items.values()) == [str(c) for c in clips]
+    for c in clips:  # each copied here and gone from the build's folder: all found here
+        target = tmp_path / "elsewhere" / c.relative_to(tmp_path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(c, target)
+        c.unlink()
     inputs.scan(())
-    assert workdir_of(inputs) == str(tmp_path / "elsewhere")  # one found here: lhotse's rule
+    assert workdir_of(inputs) == str(tmp_path / "elsewhere")
     recorded = inputs_at(cuts, workdir=str(tmp_path / "other"))
     falling_back_to(recorded, str(tmp_path))  # opened with a recorded folder: no fallback
     assert recorded.build_workdir == ""

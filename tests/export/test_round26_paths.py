@@ -239,3 +239,72 @@ def test_an_export_leaves_out_a_table_row_changed_to_name_a_gone_clip(
         ds = CachedFeatureDataset(table, encoder_file, cache=store, column="audio")
     assert [ds.item_id(i) for i in range(len(ds))] == ["train.parquet:0", "train.parquet:2"]
     torch.testing.assert_close(ds[0], want[1])  # row 0 names y.wav now
+
+
+def rerecorded(clip: Path) -> None:
+    """``clip`` written again as another take (reversed: other bytes, other features)."""
+    audio, rate = soundfile.read(clip, dtype="float32")
+    soundfile.write(clip, np.ascontiguousarray(audio[::-1]), rate)
+
+
+def test_a_dataset_whose_recorded_folder_is_gone_reads_its_own_and_says_so(
+    encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Kaldi folder kept outside the job folders, built from ``job1/``; ``job1/`` removed
+    since, ``job2/`` holding the same clips with one re-recorded and one more row. A dataset
+    from ``job2/`` reads them there (the re-recorded one encoded live, the new row an item)
+    after one warning naming the gone folder and what to do, and its root records ``job2/``.
+    Before, every row was taken as gone (served its stored features, the re-recorded one its
+    old take's) and the new row was left out."""
+    job1, job2 = tmp_path / "job1", tmp_path / "job2"
+    job1.mkdir()
+    monkeypatch.chdir(job1)
+    clips = _aged_clips(job1, 3)
+    kaldi, rel = _relative_kaldi(job1, clips)
+    moved = tmp_path / "corpus" / "kaldi"
+    shutil.copytree(kaldi, moved)
+    report = bake(moved, encoder_file, tmp_path / "store")
+    assert (report.failed, report.encoded) == ([], 3), report.failed
+    shutil.copytree(job1, job2, ignore=shutil.ignore_patterns("kaldi"), copy_function=shutil.copy2)
+    shutil.rmtree(job1)
+    rerecorded(job2 / rel[1])
+    extra = write_clip(job2 / "extra.wav", 5)
+    with (moved / "wav.scp").open("a") as f:
+        f.write(f"r3 {extra.name}\n")
+    monkeypatch.chdir(job2)
+    with pytest.warns(UserWarning) as told:
+        ds = CachedFeatureDataset(moved, encoder_file, cache=tmp_path / "store")
+    lines = [str(w.message) for w in told if "no folder now" in str(w.message)]
+    assert len(lines) == 1 and str(job1) in lines[0] and "featbake build" in lines[0], lines
+    assert [ds.item_id(i) for i in range(len(ds))] == ["r0", "r1", "r2", "r3"]
+    for i, name in enumerate([*rel, extra.name]):
+        torch.testing.assert_close(ds[i], encoded_now(encoder_file, job2 / name, None))
+    del ds
+    assert root_items(tmp_path / "store")[0] == str(job2)
+
+
+def test_a_rebuild_from_elsewhere_reads_the_built_clips_first_and_keeps_their_folder(
+    encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built from ``project/``; ``job/`` holds another take of clip 0 only, and the build runs
+    again from ``job/``: it reads the project's clips (0 encoded) and the root still records
+    ``project/``. Clip 1 re-recorded in the project since: a dataset from the project serves
+    its new take. Before, the rebuild read ``job/``'s clip 0 and recorded ``job/``, so the
+    dataset read ``job/`` alone and served clip 1's old take as built."""
+    project, job = tmp_path / "project", tmp_path / "job"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    clips = _aged_clips(project, 3)
+    kaldi, rel = _relative_kaldi(project, clips)
+    store = tmp_path / "store"
+    assert bake(kaldi, encoder_file, store).encoded == 3
+    other_clips_of_the_same_names(project, job, clips[:1])
+    monkeypatch.chdir(job)
+    again = bake(kaldi, encoder_file, store)
+    assert (again.failed, again.encoded) == ([], 0), again.failed
+    assert root_items(store)[0] == str(project)
+    rerecorded(project / rel[1])
+    monkeypatch.chdir(project)
+    ds = CachedFeatureDataset(kaldi, encoder_file, cache=store)
+    for i, name in enumerate(rel):
+        torch.testing.assert_close(ds[i], encoded_now(encoder_file, project / name, None))
