@@ -63,7 +63,7 @@ from featbake.keys import (
     written_below,
 )
 from featbake.keys import keyed_attribute as keyed_attribute
-from featbake.store.shard import crc32c_tensor
+from featbake.store.shard import crc32c_tensor, tensor_buffer
 
 
 # == identity ======================================================================================
@@ -2902,12 +2902,42 @@ def module_identity(module: Any) -> str:
     """
     ident = f"module:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
     ident = f"{ident}\ncode:{code_identity(module)}\nattrs:{attribute_identity(module)}"
+    script = script_tree_identity(module)
+    ident = f"{ident}\nscript:{script}" if script else ident
     hooks = hook_identity(module)
     ident = f"{ident}\nhooks:{hooks}" if hooks else ident
     left_out: list[tuple[type, str]] = []
     read = forward_globals(module, exact=True, left_out=left_out)
     warn_left_out(left_out)
     return f"{ident}\nglobals:{hashlib.sha256(read.encode()).hexdigest()}" if read else ident
+
+
+def script_tree_identity(module: Any) -> str:
+    """SHA-256 of the TorchScript in an in-process ``module``'s tree: each scripted or traced
+    submodule's methods' code and the tensors their graphs hold as constants
+    (``torch.jit.freeze`` makes its weights constants: it keeps no parameter); ``""`` for a
+    tree holding none (its identity
+    as it always was). Its class is torch's (``RecursiveScriptModule``), which
+    :func:`code_identity` leaves out, and its repr names only the class it was made from: two
+    modules of other code (``relu`` for ``tanh``) or other frozen weights were keyed alike.
+    (A TorchScript file is keyed by its archive: :func:`script_identity`.)"""
+    if not hasattr(module, "named_modules"):
+        return ""
+    h = hashlib.sha256()
+    found = False
+    for name, sub in module.named_modules():
+        if not isinstance(sub, torch.jit.ScriptModule):
+            continue
+        found = True
+        for method in sorted(sub._c._method_names()):
+            compiled = sub._c._get_method(method)
+            h.update(f"{name}.{method}\0{compiled.code}\0".encode())
+            for node in compiled.graph.findAllNodes("prim::Constant", True):
+                if node.output().type().kind() == "TensorType":
+                    value = node.t("value").detach().cpu().contiguous()
+                    h.update(f"{value.dtype}{list(value.shape)}".encode())
+                    h.update(tensor_buffer(value))
+    return h.hexdigest() if found else ""
 
 
 class KeyLeftOutWarning(UserWarning):

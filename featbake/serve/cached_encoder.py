@@ -1327,7 +1327,7 @@ def tree_state(module: nn.Module, *, held: bool) -> TreeState:
     for sub in module.modules():
         attrs = vars(sub)
         if isinstance(sub, torch.jit.ScriptModule):  # its mode and parameters live in its `_c`
-            training = training or sub.training
+            training = training or getattr(sub, "training", False)  # frozen: none, eval
             compiled.extend(p for p in sub.parameters(recurse=False) if p.requires_grad)
             trainable.update(id(p) for p in compiled)
             continue

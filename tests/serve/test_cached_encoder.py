@@ -1083,3 +1083,44 @@ def test_a_torchscript_encoder_is_cached_watched_and_said_when_trainable(
     after = ce(x)
     same(after, compiled(x))
     assert not torch.equal(first, after) and ce.cache_info()["encoded"] == 6
+
+
+class _TanhConvEncoder(TinyConvEncoder):
+    """``TinyConvEncoder``'s weights, other code: ``tanh`` where it runs ``gelu``; named as
+    it is (its ``forward`` edited, as a user edits a class and compiles it again)."""
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.conv1(wav.unsqueeze(1)))
+        return torch.tanh(self.conv2(x)).transpose(1, 2)
+
+
+_TanhConvEncoder.__name__ = _TanhConvEncoder.__qualname__ = TinyConvEncoder.__name__
+
+
+@pytest.mark.parametrize("make", ["script", "trace", "freeze"])
+def test_torchscript_modules_of_other_code_or_frozen_weights_are_keyed_apart(
+    tmp_path: Path, make: str
+) -> None:
+    """Two TorchScript modules on one store: the same weights with other code (scripted or
+    traced), or the same code frozen with other weights (``torch.jit.freeze`` makes them
+    constants: no parameter left). The second is served what it computes, not the first's
+    features. Before, its class (torch's) and repr were all its key read of its code, and a
+    frozen module's weights were read by none: the second was served the first's features
+    (and a plainly frozen module, which keeps no ``training``, raised AttributeError)."""
+    x = waves(2)
+
+    def compiled(module: nn.Module) -> Any:
+        module = frozen(module)
+        if make == "trace":
+            return torch.jit.trace(module, x)
+        scripted = torch.jit.script(module)
+        return torch.jit.freeze(scripted) if make == "freeze" else scripted
+
+    first = compiled(TinyConvEncoder(seed=1))
+    second = compiled(TinyConvEncoder(seed=2) if make == "freeze" else _TanhConvEncoder(seed=1))
+    for module in (first, second):
+        ce = CachedEncoder(module, cache=tmp_path / "store")
+        same(ce(x, ids=["a", "b"]), module(x))
+        same(ce(x, ids=["a", "b"]), module(x))
+        assert ce.cache_info()["encoded"] == 2
+        ce.flush()
