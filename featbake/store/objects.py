@@ -59,6 +59,7 @@ from featbake.store.url import (
     gcs_endpoint,
     redact,
 )
+from featbake.threadpool import map_in_threads
 
 # == objects =======================================================================================
 #: Whole-object downloads cut short (a dropped connection mid-body) are tried this many times.
@@ -979,15 +980,42 @@ class S3Objects(ObjectStore):
 
     def delete(self, objects: Iterable[str | ObjectInfo]) -> Sequence[str]:
         batch = list(objects)
-        kept = [o.name for o in batch if isinstance(o, ObjectInfo) and self.put_again_since(o)]
+        kept: list[str] = []
+        for i in range(0, len(batch), 1000):  # DeleteObjects takes 1000 keys a request
+            kept += self._delete_batch(batch[i : i + 1000])
+        return kept
+
+    def _delete_batch(self, batch: Sequence[str | ObjectInfo]) -> list[str]:
+        """Delete up to 1000 objects in one request, those seen (``ObjectInfo``) only where a
+        HEAD finds them as seen (:meth:`put_again_since`, the HEADs at once on the client's
+        connections, each batch deleted as soon as its HEADs are back: a put again between a
+        HEAD and the delete is one batch's HEADs apart, not every batch's); the names kept.
+
+        Raises:
+            StoreError: S3 refused to delete some of them (its answer's ``Errors``: denied, an
+                object lock), named with the first refusal and what to check.
+        """
+        seen = [o for o in batch if isinstance(o, ObjectInfo)]
+        moved = map_in_threads(self.put_again_since, seen, threads=CLIENT_CONNECTIONS)
+        kept = [o.name for o, again in zip(seen, moved, strict=True) if again]
         put_since = frozenset(kept)
         names = [n for n in map(object_name, batch) if n not in put_since]
-        for i in range(0, len(names), 1000):
-            keys = [{"Key": self.key(n)} for n in names[i : i + 1000]]
-            with self.errors(names[i]):
-                self.client.delete_objects(
-                    Bucket=self.url.bucket, Delete={"Objects": keys, "Quiet": True}
-                )
+        if not names:
+            return kept
+        with self.errors(names[0]):
+            answer = self.client.delete_objects(
+                Bucket=self.url.bucket,
+                Delete={"Objects": [{"Key": self.key(n)} for n in names], "Quiet": True},
+            )
+        refused = answer.get("Errors") or []
+        if refused:
+            first = refused[0]
+            raise StoreError(
+                f"{len(refused)} of {len(names)} objects could not be deleted from "
+                f"{self.url}: {first.get('Key', '?')}: {first.get('Code', '?')} "
+                f"({first.get('Message', '')}); check the credentials' delete permission, the "
+                "bucket's policy and any object lock, then run this again"
+            )
         return kept
 
     def put_again_since(self, seen: ObjectInfo) -> bool:
@@ -998,7 +1026,8 @@ class S3Objects(ObjectStore):
         an object's ETag is its bytes' digest: the same bytes put again, as another node puts a
         content-named shard, keep it. Their last change is what moves; a listing's and a HEAD's
         are not always the same to the millisecond (a HEAD says whole seconds), so a second
-        later is put again. What a HEAD cannot see is a put between it and the delete.
+        later is put again. What a HEAD cannot see is a put between it and the delete (one
+        batch's HEADs, run at once: :meth:`_delete_batch`).
         """
         now = self.head(seen.name)
         return now is not None and (now.etag != seen.etag or now.modified - seen.modified >= 1)

@@ -168,6 +168,35 @@ def test_an_s3_delete_keeps_an_object_last_changed_after_it_was_seen(
     assert store.delete([seen_at]) == [] and store.head("shard.bin") is None
 
 
+def test_an_s3_delete_refused_per_key_is_one_line_not_counted_as_deleted(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3 authorises ``DeleteObjects`` per key and answers 200 with the keys it refused in the
+    body's ``Errors`` (a missing ``s3:DeleteObject``, an object lock); the answer moto gives
+    is passed through with such a refusal added for one key. The delete says so in one line
+    naming the key, the code and what to check; the other key is deleted. Before, the answer
+    was not read: gc counted a refused shard as deleted and its bytes as freed."""
+    store = store_of(s3)
+    for name in ("a.bin", "b.bin"):
+        put(store, tmp_path, name, name.encode())
+    real = store.client.delete_objects
+
+    def refusing_one(**kw: Any) -> Any:
+        kept = kw["Delete"]["Objects"][0]
+        rest = kw["Delete"]["Objects"][1:]
+        answer = real(**{**kw, "Delete": {**kw["Delete"], "Objects": rest}})
+        refusal = {"Key": kept["Key"], "Code": "AccessDenied", "Message": "Access Denied"}
+        return {**answer, "Errors": [refusal]}
+
+    monkeypatch.setattr(store.client, "delete_objects", refusing_one)
+    with pytest.raises(StoreError) as refused:
+        store.delete(store.list(""))
+    line = str(refused.value)
+    assert "\n" not in line and "1 of 2 objects could not be deleted" in line, line
+    assert "a.bin: AccessDenied" in line and "delete permission" in line, line
+    assert [o.name for o in store.list("")] == ["a.bin"]
+
+
 @pytest.mark.parametrize("size", [1000, 9 << 20])
 def test_of_two_racing_create_only_puts_one_wins(
     place: Remote | S3, tmp_path: Path, size: int, request: pytest.FixtureRequest
