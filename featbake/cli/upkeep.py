@@ -1060,6 +1060,7 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
         from featbake.encode.sources import source_extensions
         from featbake.errors import ConfigError, FeatbakeError
         from featbake.export.source import RootData
+        from featbake.serve.index import rows_edited_since, table_files_changed
 
         source = root.recipe.get("source")
 
@@ -1099,6 +1100,7 @@ def _root_rows(column: str | None, strict: bool = False) -> Any:
             digests,
             frozenset(listed),
             lambda paths: gone_files(inputs, paths),
+            lambda when: rows_edited_since(inputs, when) or bool(table_files_changed(inputs, when)),
         )
 
     return rows_for

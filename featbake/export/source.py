@@ -47,7 +47,7 @@ from featbake.store.files import Taken, is_same_file, lock_taken, opened_lock, w
 from featbake.store.hash_cache import HashCache
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, open_catalog, resolve_root
-from featbake.store.roots import Root
+from featbake.store.roots import Root, published_at
 from featbake.store.shard import Leases, ShardReader, VerifyMode, read_leased
 
 if TYPE_CHECKING:  # torch (seconds of CPU) only where bfloat16 is widened or a tensor made: a
@@ -92,6 +92,10 @@ class RootData:
     #: the files gone items name now (:data:`GoneFilesOf`), each checked against the hash
     #: cache's last row of it (:func:`gone_keyed_otherwise`); None: gone items are unchecked
     gone_files: GoneFilesOf | None = None
+    #: whether the files that define the data's rows (a manifest, a Kaldi folder's files, a
+    #: table's files) changed after a time (the root's publishing): a gone item whose files
+    #: the hash cache never knew may then name another file than its build read
+    edited_since: Callable[[float], bool] | None = None
 
 
 #: A chosen root's data now, or None where its inputs cannot be opened (export/ never opens
@@ -903,13 +907,19 @@ def gone_keyed_otherwise(
     names another file since the build (a manifest row rewritten to name a file deleted
     since), so its stored features are another input's. The hash cache's last row of a file
     is taken trusted or not (the file is gone: no stat of it now can disagree). An item whose
-    files the hash cache never knew stays unchecked (exported as built)."""
+    files the hash cache never knew is one too where the files defining the rows changed
+    since the root was published (:attr:`RootData.edited_since`: a row edited to name a file
+    never copied), as a dataset leaves it out or keeps it back; else it stays unchecked
+    (exported as built)."""
     if data.gone_files is None or not items:
         return set()
     named = data.gone_files([p for p, _ in items])
     known = catalog.hash_rows(sorted({f for files in named.values() for f in files}))
     fps = (root.encoder_fp, root.recipe_fp)
-    out = set()
+    unknown = [p for p, _ in items if named.get(p) and not any(f in known for f in named[p])]
+    edited = bool(unknown) and data.edited_since is not None
+    edited = edited and data.edited_since(published_at(catalog.layout, root))  # type: ignore[misc]
+    out = set(unknown) if edited else set()
     for path, key in items:
         keys = {feature_key(*fps, known[f].sha256) for f in named.get(path, ()) if f in known}
         if keys and key not in keys:

@@ -23,7 +23,6 @@ not copy them page by page as reference counts change.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from collections.abc import Collection, Mapping, Sequence
@@ -50,7 +49,7 @@ from featbake.keys import feature_key, root_id, sha256_hex
 from featbake.store.catalog import ServingStore
 from featbake.store.containers import split_item_path
 from featbake.store.hash_cache import FileStat
-from featbake.store.roots import Root, RootSpec, root_file
+from featbake.store.roots import Root, RootSpec, published_at
 
 __all__ = ["NO_STAT", "Index", "IndexSpec", "ItemPlacement", "build_index", "names_from_parent"]
 
@@ -469,19 +468,11 @@ def held_back(
 
 
 def root_written(catalog: ServingStore, name: str) -> float | None:
-    """When root ``name`` was last published: the time its catalog row records
-    (:attr:`~featbake.store.roots.Root.last_used`, which travels with a bucket's catalog
-    versions), or its manifest file's mtime where that is earlier (a file dated back by
-    hand); None where neither can be told. The row's time alone, not the file's: a bucket's
-    fresh tier dates its copy of the manifest when it brought it in, after any edit of the
-    table since the build, which then read as no edit at all."""
+    """When root ``name`` was last published (:func:`~featbake.store.roots.published_at`);
+    None where there is no such root."""
     root = catalog.root(name)
-    times = [] if root is None else [root.last_used]
     layout = getattr(catalog, "layout", None)  # a catalog's or a fragment writer's store
-    with contextlib.suppress(OSError, ValueError):
-        if layout is not None:
-            times.append(os.stat(root_file(layout, name)).st_mtime)
-    return min(times, default=None)
+    return None if root is None else published_at(layout, root)
 
 
 def table_files_changed(inputs: Inputs, when: float | None) -> set[str]:

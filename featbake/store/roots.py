@@ -326,6 +326,20 @@ def read_root_file(path: Path) -> tuple[Root, list[RootItem]]:
     return root, items
 
 
+def published_at(layout: Layout | None, root: Root) -> float:
+    """When ``root`` was last published: the time its catalog row records
+    (:attr:`Root.last_used`, which travels with a bucket's catalog versions), or its manifest
+    file's mtime in ``layout`` where that is earlier (a file dated back by hand). Not the
+    file's alone: a bucket's fresh tier dates its copy of the manifest when it brought it in,
+    and a repair writing a manifest anew dates it then, after any edit of the data since the
+    build, which then read as no edit at all."""
+    when = root.last_used
+    with contextlib.suppress(OSError, ValueError, StoreError):
+        if layout is not None:
+            when = min(when, os.stat(root_file(layout, root.name)).st_mtime)
+    return when
+
+
 # -- the held-back record -----------------------------------------------------------------------
 # The table rows a dataset kept in its root but did not serve: ``roots/<name>.held``.
 #

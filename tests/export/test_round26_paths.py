@@ -308,3 +308,34 @@ def test_a_rebuild_from_elsewhere_reads_the_built_clips_first_and_keeps_their_fo
     ds = CachedFeatureDataset(kaldi, encoder_file, cache=store)
     for i, name in enumerate(rel):
         torch.testing.assert_close(ds[i], encoded_now(encoder_file, project / name, None))
+
+
+def test_an_export_leaves_out_a_row_edited_to_name_a_file_never_hashed(
+    encoder_file: Path, tmp_path: Path
+) -> None:
+    """A JSONL built u1 -> x.wav, u2 -> y.wav; u2 then edited to name ``new_take.wav``, never
+    copied (so never hashed). A dataset leaves u2 out (the manifest changed since the build:
+    its stored features may be another file's); `featbake export` now leaves it out too,
+    counted ``changed``. Before, it exported y.wav's features as u2's, ``unchecked``."""
+    from featbake.store.roots import root_file
+
+    x, y = write_clip(tmp_path / "x.wav", 1), write_clip(tmp_path / "y.wav", 2, 0.6)
+    manifest = tmp_path / "train.jsonl"
+    rows = [{"id": "u1", "path": "x.wav"}, {"id": "u2", "path": "y.wav"}]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = tmp_path / "store"
+    report = bake(manifest, encoder_file, store)
+    assert not report.failed
+    rows[1] = {"id": "u2", "path": "new_take.wav"}
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    when = manifest.stat().st_mtime - 60  # the root published a minute before the edit
+    os.utime(root_file(Layout(store), report.root), (when, when))
+    r, table = exported(store, tmp_path / "edited.parquet")
+    assert r.returncode == 0 and table is not None, printed(r)
+    assert list(exported_rows(table)) == ["u1"], printed(r)
+    torch.testing.assert_close(exported_rows(table)["u1"], encoded_now(encoder_file, x, None))
+    assert counts(r) == (1, 1, 0), printed(r)
+    with pytest.warns(UserWarning, match="never hashed here"):
+        ds = CachedFeatureDataset(manifest, encoder_file, cache=store)
+    assert [ds.item_id(i) for i in range(len(ds))] == ["u1"]
+    assert y.exists()
