@@ -34,6 +34,7 @@ from featbake.encode.hf_folders import (
     AUDIO_PARTS,
     PREPROCESSOR_FILE,
     DenseLayer,
+    LoadingArguments,
     Normalizing,
     PromptedTokenizer,
     SentenceModuleUnsupported,
@@ -43,6 +44,7 @@ from featbake.encode.hf_folders import (
     is_text_folder,
     is_vision_folder,
     load_tokenizer,
+    loading_arguments,
     processor_settings,
     read_config,
     sentence_files_digest,
@@ -442,14 +444,25 @@ class HFTextEncoder(nn.Module):
         return parts, lengths
 
 
-def _load_text_model(folder: Path) -> Any:  # a transformers PreTrainedModel
+def _load_text_model(
+    folder: Path, loading: LoadingArguments | None = None
+) -> Any:  # a transformers PreTrainedModel
     """The folder's text model; a head's weights pass (a BertForMaskedLM download: its
-    ``cls.*`` head is unused, see :func:`without_head_weights`)."""
+    ``cls.*`` head is unused, see :func:`without_head_weights`). A sentence-transformers
+    folder's transformer is loaded as sentence-transformers loads it (``loading``): its config
+    with the ``config_kwargs`` over it, the ``model_kwargs`` featbake passes on
+    (:class:`~featbake.encode.hf_folders.LoadingArguments`); the config so made is the one
+    :func:`folder_identity` keys."""
+    loading = loading or LoadingArguments()
     config = read_config(folder)
     name = text_class_name(config)
-    model, info = _from_pretrained(folder, model_class=name)
+    kwargs: dict[str, Any] = dict(loading.model)
+    if loading.config:
+        kwargs["config"] = _config_with(folder, loading.config)
+    model, info = _from_pretrained(folder, model_class=name, **kwargs)
     if only_pooler_missing(model, info):
-        model, info = _from_pretrained(folder, model_class=name, add_pooling_layer=False)
+        kwargs["add_pooling_layer"] = False
+        model, info = _from_pretrained(folder, model_class=name, **kwargs)
     check_loading_info(folder, without_head_weights(model, info))
     if getattr(model, "main_input_name", None) != "input_ids":
         raise EncoderLoadError(
@@ -459,12 +472,32 @@ def _load_text_model(folder: Path) -> Any:  # a transformers PreTrainedModel
     return model.eval()
 
 
+def _config_with(folder: Path, overrides: dict[str, Any]) -> Any:
+    """transformers' config of ``folder`` with ``overrides`` over it, as
+    ``AutoConfig.from_pretrained(folder, **overrides)`` makes it (a sentence-transformers
+    folder's ``config_kwargs``).
+
+    Raises:
+        EncoderLoadError: transformers cannot make it.
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder), **overrides, local_files_only=True)
+    except Exception as e:
+        raise EncoderLoadError(
+            f"transformers cannot read the config in {folder} with the config_kwargs of its "
+            f"sentence_bert_config.json: {first_line(e)}"
+        ) from e
+
+
 def _text_encoder(
     path: Path, layers: tuple[int, ...] | str | None, device: str | torch.device
 ) -> LoadedEncoder:
     """A text folder's model as a lengths-protocol encoder (its tokenizer is in the recipe); a
-    sentence-transformers folder's transformer read where it is (:func:`transformer_folder`)."""
-    model = _load_text_model(transformer_folder(path))
+    sentence-transformers folder's transformer read where it is (:func:`transformer_folder`)
+    and as sentence-transformers loads it (:func:`loading_arguments`)."""
+    model = _load_text_model(transformer_folder(path), loading_arguments(path))
     num = int(getattr(model.config, "num_hidden_layers", 0) or 0)
     chosen = None if layers is None else resolve_layers(layers, num)
     projection = getattr(model, "text_projection", None)

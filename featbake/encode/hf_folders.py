@@ -243,8 +243,9 @@ def tokenizer_libraries(tokenizer: Any) -> dict[str, str]:
 def tokenizer_digest(folder: str | os.PathLike[str], tokenizer: Any) -> str:
     """SHA-256 over ``tokenizer``'s class, each of its files present in ``folder`` (name and
     bytes; :func:`tokenizer_file_names`), the libraries it runs (:func:`tokenizer_libraries`)
-    and, for a :class:`PromptedTokenizer`, the prompt it prepends (a tokenizer without one
-    keeps the digest it had)."""
+    and, for a :class:`PromptedTokenizer`, the prompt it prepends and how sentence-transformers
+    loads it (its ``processor_kwargs``, its lowercasing), each only where set (a tokenizer
+    without them keeps the digest it had)."""
     path = transformer_folder(folder)
     own = tokenizer.tokenizer if isinstance(tokenizer, PromptedTokenizer) else tokenizer
     names = tokenizer_file_names(own)
@@ -252,49 +253,90 @@ def tokenizer_digest(folder: str | os.PathLike[str], tokenizer: Any) -> str:
     libraries = tokenizer_libraries(own)
     read = {"class": type(own).__name__, "files": files, "libs": libraries}
     if isinstance(tokenizer, PromptedTokenizer):
-        read["prompt"] = tokenizer.prompt
+        if tokenizer.prompt:
+            read["prompt"] = tokenizer.prompt
+        if tokenizer.loading:
+            read["loading"] = tokenizer.loading
     return sha256_hex(canonical_json(read))
 
 
 class PromptedTokenizer:
-    """A folder's tokenizer that puts its default prompt before each text, as
-    ``SentenceTransformer.encode`` does (``prompt + text``, then one call of the tokenizer, so
-    the prompt's tokens count towards ``max_length``). Anything else is the tokenizer's own.
+    """A sentence-transformers folder's tokenizer as ``SentenceTransformer`` loads and calls
+    it: loaded with the folder's ``processor_kwargs`` and lowercasing in its normaliser where
+    the folder says ``do_lower_case`` (:func:`load_tokenizer`), and putting its default prompt
+    before each text (``prompt + text``, then one call of the tokenizer, so the prompt's tokens
+    count towards ``max_length``). Anything else is the tokenizer's own.
 
     Attributes:
-        tokenizer: transformers' tokenizer of the folder.
-        prompt: the text put before each text (lowercased where the folder lowercases texts).
+        tokenizer: transformers' tokenizer of the folder, loaded so.
+        prompt: the text put before each text ("": none).
+        loading: how it was loaded, for its digest: ``processor_kwargs`` and ``do_lower_case``,
+            each only where the folder sets it.
     """
 
-    def __init__(self, tokenizer: Any, prompt: str) -> None:
+    def __init__(self, tokenizer: Any, prompt: str, loading: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.prompt = prompt
+        self.loading = loading or {}
 
     def __call__(self, text: str, **kwargs: Any) -> Any:
         return self.tokenizer(self.prompt + text, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("tokenizer", "prompt"):  # not set yet (while unpickling): not the inner's
+        if name in ("tokenizer", "prompt", "loading"):  # not set yet (unpickling): not the inner's
             raise AttributeError(name)
         return getattr(self.tokenizer, name)
 
 
 def load_tokenizer(folder: str | os.PathLike[str]) -> Any:
     """transformers' tokenizer of ``folder``, offline and quietly; a sentence-transformers
-    folder's is read beside its transformer (:func:`transformer_folder`) and, where the folder
-    names a default prompt, put before each text (a :class:`PromptedTokenizer`:
-    :func:`prompt_before_texts`).
+    folder's is read beside its transformer (:func:`transformer_folder`) as
+    ``SentenceTransformer`` loads it: with the ``processor_kwargs`` of its settings
+    (:func:`loading_arguments`), lowercasing in its normaliser where they say ``do_lower_case``
+    (:func:`lowercase_as_sentence_transformers`), and its default prompt put before each text
+    (a :class:`PromptedTokenizer`: :func:`prompt_before_texts`).
 
     Raises:
         EncoderLoadError: transformers is missing or cannot read the folder's tokenizer.
     """
-    tokenizer = folder_tokenizer(transformer_folder(folder))
+    loading = loading_arguments(folder)
+    tokenizer = folder_tokenizer(transformer_folder(folder), **loading.processor)
+    read: dict[str, Any] = {"processor_kwargs": loading.processor} if loading.processor else {}
+    if loading.do_lower_case:
+        lowercase_as_sentence_transformers(tokenizer)
+        read["do_lower_case"] = True
     prompt = prompt_before_texts(folder)
-    return PromptedTokenizer(tokenizer, prompt) if prompt else tokenizer
+    return PromptedTokenizer(tokenizer, prompt, read) if prompt or read else tokenizer
 
 
-def folder_tokenizer(folder: Path) -> Any:
-    """transformers' tokenizer of the folder holding it, offline and quietly.
+def lowercase_as_sentence_transformers(tokenizer: Any) -> None:
+    """Make ``tokenizer`` lowercase each text as sentence-transformers' ``do_lower_case`` does:
+    a fast tokenizer gets tokenizers' ``Lowercase`` before its normaliser (none where it holds
+    one), so special tokens are split off first and each character is lowercased alone; a slow
+    one its ``do_lower_case``. ``str.lower`` before the tokenizer was another text: "[MASK]"
+    became "[mask]", no special token, and a word-final capital sigma another letter (its
+    final form) than the tokenizer makes of it."""
+    if not getattr(tokenizer, "is_fast", False):
+        try:
+            tokenizer.do_lower_case = True
+        except AttributeError:
+            tokenizer.basic_tokenizer.do_lower_case = True
+        return
+    from tokenizers.normalizers import Lowercase
+    from tokenizers.normalizers import Sequence as NormalizerSequence
+
+    backend = tokenizer.backend_tokenizer
+    normalizer = backend.normalizer
+    sequence = isinstance(normalizer, NormalizerSequence)  # iterable, as typed it is not
+    steps = list(normalizer) if sequence else [normalizer]
+    if any(isinstance(n, Lowercase) for n in steps):
+        return
+    backend.normalizer = NormalizerSequence([Lowercase(), *(n for n in steps if n is not None)])
+
+
+def folder_tokenizer(folder: Path, **kwargs: Any) -> Any:
+    """transformers' tokenizer of the folder holding it, offline and quietly; ``kwargs`` are
+    ``from_pretrained``'s (a sentence-transformers folder's ``processor_kwargs``).
 
     Raises:
         EncoderLoadError: transformers is missing or cannot read the folder's tokenizer.
@@ -310,7 +352,7 @@ def folder_tokenizer(folder: Path) -> Any:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "sequence longer than max length": featbake says it
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs, local_files_only=True)
     except Exception as e:
         raise EncoderLoadError(
             f"transformers cannot load the tokenizer in {folder}: {first_line(e)}; save it "
@@ -360,10 +402,12 @@ def text_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> Te
     ``max_length`` defaults to the smaller of the tokenizer's ``model_max_length`` and the
     model's ``max_position_embeddings`` (CLIP: 77, BERT: 512), so a long text is cut where the
     model would fail; :data:`DEFAULT_MAX_TOKENS` when neither states one (T5). A
-    sentence-transformers folder's ``max_seq_length`` stands for the tokenizer's limit and its
-    ``do_lower_case`` sets ``lowercase``, as ``SentenceTransformer.encode`` tokenises
-    (:func:`sentence_pipeline`); its default prompt is put before each text by the tokenizer
-    and is in its digest (:class:`PromptedTokenizer`).
+    sentence-transformers folder's ``max_seq_length`` stands for the tokenizer's limit (unless
+    its ``processor_kwargs`` set ``model_max_length``), its ``config_kwargs`` override the
+    model's settings, and its ``do_lower_case`` is the tokenizer's own lowercasing (not
+    ``lowercase``, which lowercases in Python first), as ``SentenceTransformer.encode``
+    tokenises (:func:`sentence_pipeline`); its default prompt is put before each text by the
+    tokenizer, and both are in its digest (:class:`PromptedTokenizer`).
 
     Raises:
         EncoderLoadError: the folder has no tokenizer transformers can read.
@@ -379,7 +423,8 @@ def text_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> Te
             "beside the model with tokenizer.save_pretrained"
         )
     tokenizer = load_tokenizer(path)
-    config = tower_config(read_config(transformer_folder(path)))
+    overrides = loading_arguments(path).config
+    config = tower_config({**read_config(transformer_folder(path)), **overrides})
     positions = token_positions(config)
     sentence = sentence_pipeline(path) or SentencePipeline()
     stated = sentence.max_seq_length or int(getattr(tokenizer, "model_max_length", 0) or 0)
@@ -387,7 +432,6 @@ def text_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> Te
     steps = TextRecipe(
         tokenizer=tokenizer_digest(path, tokenizer),
         max_length=min(known) if known else DEFAULT_MAX_TOKENS,
-        lowercase=sentence.do_lower_case,
         folder=str(path),
     )
     asked = changes.get("max_length")
@@ -528,6 +572,29 @@ ST_TRANSFORMER_DEFAULTS: dict[str, Any] = {
 }
 #: The embedding the pooling, dense and normalising modules read and write.
 ST_EMBEDDING_KEY = "sentence_embedding"
+#: The loading arguments a transformer's settings may carry (sentence-transformers passes them
+#: to transformers' ``from_pretrained`` of the model, the tokenizer and the config), each with
+#: the older name it reads as it (the older one wins where a file holds both, as there).
+ST_LOADING_KWARGS = {
+    "model_kwargs": "model_args",
+    "processor_kwargs": "tokenizer_args",
+    "config_kwargs": "config_args",
+}
+#: Loading arguments sentence-transformers sets itself on each load, over a file's values.
+ST_HUB_KWARGS = frozenset(
+    {"subfolder", "token", "cache_dir", "revision", "local_files_only", "trust_remote_code"}
+)
+#: ``model_kwargs`` featbake passes on to transformers as sentence-transformers does.
+ST_PASSED_MODEL_KWARGS = frozenset({"attn_implementation", "add_pooling_layer"})
+#: ``model_kwargs`` that place the model or its weights, which change no value computed.
+ST_PLACEMENT_KWARGS = frozenset(
+    {"device_map", "low_cpu_mem_usage", "max_memory", "offload_folder", "offload_buffers"}
+)
+#: The attention implementations featbake runs as asked (others, such as flash attention,
+#: make sentence-transformers run unpadded texts: another computation).
+ST_ATTENTION = ("eager", "sdpa")
+#: The names of the dtype float32 a setting may hold (None: torch's default, float32).
+FLOAT32_NAMES = (None, "float32", "torch.float32")
 
 
 class SentenceModuleUnsupported(ConfigError):
@@ -566,7 +633,8 @@ class SentencePipeline:
         pooling: the pooling modes, in the order their vectors are concatenated.
         after: the dense layers and normalisation applied to the pooled vector, in turn.
         max_seq_length: tokens per text sentence-transformers keeps (None: the tokenizer's).
-        do_lower_case: sentence-transformers lowercases each text before its tokenizer.
+        do_lower_case: sentence-transformers lowercases each text, in its tokenizer's
+            normaliser (:func:`lowercase_as_sentence_transformers`).
         prompt: the default prompt put before each text, as the tokenizer is given it ("": none).
         include_prompt: the pooling reads the prompt's tokens too (``include_prompt`` of the
             pooling config); False leaves them out.
@@ -582,6 +650,26 @@ class SentencePipeline:
     include_prompt: bool = True
     truncate_dim: int | None = None
     refused: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadingArguments:
+    """How sentence-transformers loads a folder's transformer, as featbake loads it too (the
+    arguments featbake does not reproduce refuse its ``sentence_embedding``:
+    :func:`sentence_pipeline`).
+
+    Attributes:
+        model: ``model_kwargs`` passed to the model's ``from_pretrained``
+            (:data:`ST_PASSED_MODEL_KWARGS`).
+        processor: ``processor_kwargs``, the tokenizer's ``from_pretrained`` arguments.
+        config: ``config_kwargs``, values over the model's ``config.json``.
+        do_lower_case: the tokenizer lowercases each text (the settings' ``do_lower_case``).
+    """
+
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)
+    processor: dict[str, Any] = dataclasses.field(default_factory=dict)
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    do_lower_case: bool = False
 
 
 @dataclass(frozen=True)
@@ -617,9 +705,11 @@ def sentence_pipeline(folder: str | os.PathLike[str]) -> SentencePipeline | None
         config, where = _transformer_config(transformer_folder(path))
         settings = _transformer_settings(config, where)
         _refuse_other_transformer_settings(config, where)
+        _refuse_other_loading(transformer_folder(path), config, where)
         model = model_settings(path)
-        prompt = model.prompt.lower() if settings.do_lower_case else model.prompt
-        settings = dataclasses.replace(settings, prompt=prompt, truncate_dim=model.truncate_dim)
+        settings = dataclasses.replace(
+            settings, prompt=model.prompt, truncate_dim=model.truncate_dim
+        )
         return _modules_after_transformer(path, settings)
     except (ConfigError, EncoderLoadError) as e:
         return dataclasses.replace(settings, refused=first_line(e))
@@ -627,20 +717,177 @@ def sentence_pipeline(folder: str | os.PathLike[str]) -> SentencePipeline | None
 
 def prompt_before_texts(folder: str | os.PathLike[str]) -> str:
     """The default prompt ``SentenceTransformer.encode`` puts before each text of a
-    sentence-transformers folder, lowercased where the folder lowercases its texts (its
-    tokenizer is then given both lowercased); "" for another folder, one naming no default
-    prompt, or one whose settings sentence-transformers would not load (its
+    sentence-transformers folder, as it is (where the folder lowercases, its tokenizer
+    lowercases prompt and text alike: :func:`load_tokenizer`); "" for another folder, one
+    naming no default prompt, or one whose settings sentence-transformers would not load (its
     ``sentence_embedding`` is refused, :func:`sentence_pipeline`)."""
     path = Path(folder)
     if not is_sentence_folder(path):
         return ""
     try:
-        prompt = model_settings(path).prompt
-        config, where = _transformer_config(transformer_folder(path))
-        lower = _transformer_settings(config, where).do_lower_case
+        return model_settings(path).prompt
     except (ConfigError, EncoderLoadError):
         return ""
-    return prompt.lower() if lower else prompt
+
+
+def loading_arguments(folder: str | os.PathLike[str]) -> LoadingArguments:
+    """How sentence-transformers loads the transformer of a sentence-transformers folder, as
+    far as featbake reproduces it (:class:`LoadingArguments`); none for another folder, or
+    where its settings cannot be read (its ``sentence_embedding`` is then refused). Never
+    raises."""
+    path = Path(folder)
+    if not is_sentence_folder(path):
+        return LoadingArguments()
+    try:
+        config, where = _transformer_config(transformer_folder(path))
+        found = _loading_kwargs(config, where)
+    except (ConfigError, EncoderLoadError):
+        return LoadingArguments()
+    model = {k: v for k, v in found["model_kwargs"].items() if k in ST_PASSED_MODEL_KWARGS}
+    if model.get("attn_implementation", ST_ATTENTION[0]) not in ST_ATTENTION:
+        del model["attn_implementation"]  # refused: the model runs as featbake's default
+    return LoadingArguments(
+        model=model,
+        processor=found["processor_kwargs"],
+        config=found["config_kwargs"],
+        do_lower_case=bool(config.get("do_lower_case")),  # any true value, as there
+    )
+
+
+def _loading_kwargs(config: Mapping[str, Any], where: Path) -> dict[str, dict[str, Any]]:
+    """The settings' ``model_kwargs``, ``processor_kwargs`` and ``config_kwargs`` as
+    sentence-transformers reads them: the older names (``model_args`` ...) taken for the new
+    ones, the hub's arguments (:data:`ST_HUB_KWARGS`, which it sets itself) left out; {} where
+    one is not set.
+
+    Raises:
+        SentenceModuleUnsupported: one is no JSON object (sentence-transformers fails on it).
+    """
+    found: dict[str, dict[str, Any]] = {}
+    for name, older in ST_LOADING_KWARGS.items():
+        said = older if older in config else name
+        value = config.get(said)
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise SentenceModuleUnsupported(
+                f"{where}: {said} must be an object of arguments, got {value!r}; fix the file, "
+                "or ask for --output tokens"
+            )
+        found[name] = {k: v for k, v in value.items() if k not in ST_HUB_KWARGS}
+    return found
+
+
+def _refuse_other_loading(folder: Path, config: Mapping[str, Any], where: Path) -> None:
+    """Raise where the transformer's settings load it otherwise than featbake can: a
+    ``model_kwargs`` argument featbake does not pass on (quantisation, kernels, another
+    class's arguments), an attention implementation other than :data:`ST_ATTENTION`, a
+    ``padding_side`` other than right (featbake pads on the right), or a dtype other than
+    float32 (:func:`sentence_transformers_dtype`: featbake runs the model in float32).
+
+    Raises:
+        SentenceModuleUnsupported: one line naming the file, the argument and what to do.
+    """
+    found = _loading_kwargs(config, where)
+    model, processor = found["model_kwargs"], found["processor_kwargs"]
+    known = ST_PASSED_MODEL_KWARGS | ST_PLACEMENT_KWARGS | {"dtype", "torch_dtype"}
+    for key in model:
+        if key not in known:
+            raise SentenceModuleUnsupported(
+                f"{where} passes {key}={model[key]!r} in model_kwargs, which featbake does not "
+                f"reproduce for {ST_EMBEDDING_KEY!r}; remove it there, or ask for --output tokens"
+            )
+    attention = model.get("attn_implementation", ST_ATTENTION[0])
+    if attention not in ST_ATTENTION:
+        raise SentenceModuleUnsupported(
+            f"{where} asks for attn_implementation {attention!r} in model_kwargs; featbake runs "
+            f"{' or '.join(ST_ATTENTION)} only: set one there, or ask for --output tokens"
+        )
+    if processor.get("padding_side", "right") != "right":
+        raise SentenceModuleUnsupported(
+            f"{where} pads on the {processor['padding_side']!r} in processor_kwargs, where "
+            f"featbake pads on the right (positions differ); remove padding_side there, or ask "
+            "for --output tokens"
+        )
+    dtype, said = sentence_transformers_dtype(folder, found)
+    if dtype not in FLOAT32_NAMES:
+        raise SentenceModuleUnsupported(
+            f"sentence-transformers loads the model in {folder} in {dtype} ({said}), featbake "
+            f'runs it in float32; set "model_kwargs": {{"dtype": "float32"}} in {where} '
+            "to encode it in float32 with both, or ask for --output tokens"
+        )
+
+
+def sentence_transformers_dtype(
+    folder: Path, found: Mapping[str, Mapping[str, Any]]
+) -> tuple[str | None, str]:
+    """The dtype sentence-transformers loads the transformer in ``folder`` in (None: float32,
+    torch's default), and where it is said: ``model_kwargs``' ``dtype`` (or ``torch_dtype``);
+    where there is none or it is "auto" under transformers 5 (whose default "auto" is), the
+    config's (``config_kwargs`` over ``config.json``), else the weights' own
+    (:func:`weights_dtype`). A folder of bfloat16 weights, or whose config.json says float16,
+    is encoded in that dtype by sentence-transformers, not in featbake's float32."""
+    model, overrides = found.get("model_kwargs", {}), found.get("config_kwargs", {})
+    asked = model.get("dtype") if model.get("dtype") is not None else model.get("torch_dtype")
+    if asked != "auto" and (asked is not None or not _transformers_loads_auto()):
+        return _dtype_name(asked), "model_kwargs"
+    for source, values in (("config_kwargs", overrides), ("config.json", _config_or_none(folder))):
+        for key in ("dtype", "torch_dtype"):
+            if values.get(key) not in (None, "auto"):
+                return _dtype_name(values[key]), source
+    return weights_dtype(folder), "its weights"
+
+
+def _dtype_name(value: Any) -> str | None:
+    """A dtype setting as torch names it ("float16" for "torch.float16")."""
+    return None if value is None else str(value).removeprefix("torch.")
+
+
+def _config_or_none(folder: Path) -> dict[str, Any]:
+    """The folder's config.json ({} where it cannot be read: the model's load says why)."""
+    try:
+        return read_config(folder)
+    except EncoderLoadError:
+        return {}
+
+
+def _transformers_loads_auto() -> bool:
+    """Whether the installed transformers loads a model in its saved dtype by default (5 and
+    later: ``dtype="auto"``); before, in float32. Unknown: taken as it does."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return int(version("transformers").split(".")[0]) >= 5
+    except (PackageNotFoundError, ValueError):
+        return True
+
+
+#: safetensors' names of floating dtypes, as torch names them.
+SAFETENSORS_FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+
+
+def weights_dtype(folder: Path) -> str | None:
+    """The dtype transformers' "auto" takes from a folder's safetensors weights (the first
+    floating tensor's; another where they differ), read from their headers; None where they
+    are float32 or the folder has none (``pytorch_model.bin``: taken as float32)."""
+    index = folder / "model.safetensors.index.json"
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        names = ["model.safetensors"]
+    kinds: set[str] = set()
+    for name in names:
+        try:
+            with (folder / name).open("rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size)) if 0 < size < 100_000_000 else {}
+        except (OSError, ValueError):
+            continue
+        for entry in header.values() if isinstance(header, dict) else ():
+            if isinstance(entry, dict) and entry.get("dtype") in SAFETENSORS_FLOATS:
+                kinds.add(SAFETENSORS_FLOATS[entry["dtype"]])
+    others = sorted(kinds - {"float32"})
+    return others[0] if others else None
 
 
 def _transformer_config(folder: Path) -> tuple[dict[str, Any], Path]:
@@ -653,19 +900,25 @@ def _transformer_config(folder: Path) -> tuple[dict[str, Any], Path]:
 
 def _transformer_settings(config: Mapping[str, Any], where: Path) -> SentencePipeline:
     """``max_seq_length`` and ``do_lower_case`` of the transformer's settings (older releases
-    write them; newer ones keep the length in the tokenizer's ``model_max_length``).
+    write them; newer ones keep the length in the tokenizer's ``model_max_length``). Where its
+    ``processor_kwargs`` set ``model_max_length``, sentence-transformers leaves
+    ``max_seq_length`` out: the tokenizer's (loaded with it) is the length.
 
     Raises:
         SentenceModuleUnsupported: ``max_seq_length`` is not a whole number.
     """
     length = config.get("max_seq_length")
+    try:
+        processor = _loading_kwargs(config, where)["processor_kwargs"]
+    except SentenceModuleUnsupported:
+        processor = {}  # refused, with its reason (sentence_pipeline)
+    if "model_max_length" in processor:
+        length = None
     if length is not None and (isinstance(length, bool) or not isinstance(length, int)):
         raise SentenceModuleUnsupported(
             f"{where}: max_seq_length must be a whole number of tokens, got {length!r}"
         )
-    return SentencePipeline(
-        max_seq_length=length, do_lower_case=config.get("do_lower_case") is True
-    )
+    return SentencePipeline(max_seq_length=length, do_lower_case=bool(config.get("do_lower_case")))
 
 
 def _refuse_other_transformer_settings(config: Mapping[str, Any], where: Path) -> None:

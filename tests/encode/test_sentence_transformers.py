@@ -190,7 +190,8 @@ def test_do_lower_case_lowercases_as_sentence_transformers(texts: Path, tmp_path
     folder = save_sentence_model(tmp_path / "lower", cased, "mean")
     write_json(folder / "sentence_bert_config.json", {"max_seq_length": 64, "do_lower_case": True})
     ds = built_and_served(folder, texts, tmp_path / "store")
-    assert ds.recipe.text is not None and ds.recipe.text.lowercase
+    # The tokenizer lowercases, as sentence-transformers' does, not Python before it.
+    assert ds.recipe.text is not None and not ds.recipe.text.lowercase
     assert_sentence_embeddings_equal(ds, folder)
     # Without it, "The cat sat on the mat." starts with an unknown token: another embedding.
     write_json(folder / "sentence_bert_config.json", {"max_seq_length": 64})
@@ -468,3 +469,117 @@ def test_a_default_prompt_naming_no_prompt_is_refused_in_one_line_and_tokens_bui
     assert "\n" not in str(refused.value)
     report = build(texts, folder, cache=tmp_path / "store")
     assert report.encoded == len(TEXTS) + 1 and not report.failed
+
+
+# == loading arguments =============================================================================
+def edit_settings(folder: Path, **changes: Any) -> None:
+    """``changes`` written over the transformer's ``sentence_bert_config.json``."""
+    settings = folder / "sentence_bert_config.json"
+    write_json(settings, {**json.loads(settings.read_text()), **changes})
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"processor_kwargs": {"model_max_length": 8}, "max_seq_length": 32},  # its own wins
+        {"tokenizer_args": {"model_max_length": 10, "truncation_side": "left"}},
+        {"tokenizer_args": {"do_lower_case": False}},  # "The" is unknown to a cased tokenizer
+        {"config_kwargs": {"layer_norm_eps": 0.5}},
+        {"config_args": {"hidden_act": "relu"}},
+        {"model_kwargs": {"attn_implementation": "eager", "add_pooling_layer": False}},
+    ],
+    ids=["model_max_length", "truncation_side", "do_lower_case", "layer_norm_eps", "hidden_act",
+         "attn_implementation"],
+)  # fmt: skip
+def test_loading_arguments_are_honoured_as_sentence_transformers_loads_and_keyed(
+    changes: dict[str, Any], bert: Path, texts: Path, tmp_path: Path
+) -> None:
+    """The transformer's settings pass arguments to transformers' loading (the model's, the
+    tokenizer's, the config's; older names too): featbake loads with them as
+    sentence-transformers does, and a store built before they were set misses every text."""
+    folder = save_sentence_model(tmp_path / "loading", bert, "mean")
+    store = tmp_path / "store"
+    built_and_served(folder, texts, store)
+    edit_settings(folder, **changes)
+    ds = built_and_served(folder, texts, store)  # other keys: every text encoded again
+    assert_sentence_embeddings_equal(ds, folder)
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"model_args": {"torch_dtype": "bfloat16"}}, "bfloat16"),
+        ({"config_kwargs": {"dtype": "float16"}}, "float16"),
+        ({"model_kwargs": {"quantization_config": {"load_in_8bit": True}}}, "quantization_config"),
+        ({"model_kwargs": {"attn_implementation": "flash_attention_2"}}, "flash_attention_2"),
+        ({"processor_kwargs": {"padding_side": "left"}}, "padding_side"),
+        ({"config_kwargs": []}, "config_kwargs"),
+    ],
+)
+def test_loading_arguments_featbake_does_not_reproduce_refuse_sentence_embedding(
+    changes: dict[str, Any], named: str, bert: Path, texts: Path, tmp_path: Path
+) -> None:
+    """Another dtype than float32 (sentence-transformers encodes in it), quantisation, flash
+    attention (run unpadded), left padding (other positions): ``sentence_embedding`` is
+    refused in one line naming the argument, and the folder's tokens still build."""
+    folder = save_sentence_model(tmp_path / "refused", bert, "mean")
+    edit_settings(folder, **changes)
+    asked = Recipe(source="text", output=SENTENCE_EMBEDDING)
+    with pytest.raises(ConfigError, match=named) as refused:
+        build(texts, folder, cache=tmp_path / "store", recipe=asked)
+    assert "\n" not in str(refused.value) and "--output tokens" in str(refused.value)
+    report = build(texts, folder, cache=tmp_path / "store")
+    assert report.encoded == len(TEXTS) + 1 and not report.failed
+
+
+def test_a_model_saved_in_bfloat16_is_refused_until_its_settings_ask_for_float32(
+    texts: Path, tmp_path: Path
+) -> None:
+    """transformers 5 loads a model in the dtype its config.json names: sentence-transformers
+    encodes a bfloat16 folder in bfloat16, featbake in float32, so its ``sentence_embedding``
+    is refused; ``model_kwargs: {"dtype": "float32"}`` makes both encode in float32."""
+    bert = save_bert(tmp_path / "bert")
+    half = tmp_path / "bert-bf16"
+    transformers.AutoModel.from_pretrained(str(bert), dtype=torch.bfloat16).save_pretrained(half)
+    transformers.AutoTokenizer.from_pretrained(str(bert)).save_pretrained(half)
+    folder = save_sentence_model(tmp_path / "half", half, "mean")
+    if st.SentenceTransformer(str(folder), device="cpu").dtype != torch.bfloat16:
+        pytest.skip("this transformers loads a model in float32 whatever its config says")
+    asked = Recipe(source="text", output=SENTENCE_EMBEDDING)
+    with pytest.raises(ConfigError, match="bfloat16") as refused:
+        build(texts, folder, cache=tmp_path / "store", recipe=asked)
+    assert "\n" not in str(refused.value)
+    edit_settings(folder, model_kwargs={"dtype": "float32"})
+    assert_sentence_embeddings_equal(built_and_served(folder, texts, tmp_path / "store"), folder)
+
+
+#: A Greek word ending in a capital sigma, which lowercases to a final sigma in Python alone.
+GREEK_WORD = "\u039f\u0394\u039f\u03a3"
+#: Its stem and its sigma as the tokenizer lowercases them (a word-piece each), and the whole
+#: word with the final sigma ``str.lower`` gives.
+GREEK_PIECES = ["\u03bf\u03b4\u03bf", "##\u03c3", "\u03bf\u03b4\u03bf\u03c2"]
+
+
+def test_do_lower_case_lowercases_in_the_tokenizer_as_sentence_transformers(
+    tmp_path: Path,
+) -> None:
+    """sentence-transformers lowercases in the tokenizer's normaliser, after special tokens
+    are split off, a character at a time: "[MASK]" stays the mask token and a final capital
+    sigma the plain small sigma; ``str.lower`` first gave "[mask]" (no special token) and the
+    final sigma (another word of the vocabulary)."""
+    cased = tmp_path / "cased-bert"
+    save_bert(cased, words=["the", "a", "cat", "sat", *GREEK_PIECES])
+    vocab = cased.parent / f"{cased.name}-vocab" / "vocab.txt"
+    transformers.BertTokenizer(str(vocab), do_lower_case=False).save_pretrained(cased)
+    folder = save_sentence_model(tmp_path / "lower", cased, "mean", include_prompt=False,
+                                 prompts={"query": "A "}, default_prompt_name="query")  # fmt: skip
+    edit_settings(folder, do_lower_case=True)
+    root = tmp_path / "texts"
+    root.mkdir()
+    for i, text in enumerate(["the [MASK] sat", f"THE {GREEK_WORD}", "The cat sat"]):
+        (root / f"text{i}.txt").write_text(text, encoding="utf-8")
+    build(root, folder, cache=tmp_path / "store", batching="padded", batch_size=4)
+    ds = CachedFeatureDataset(
+        root, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
+    )
+    assert_sentence_embeddings_equal(ds, folder)
