@@ -24,6 +24,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import sys
 import sysconfig
 import threading
@@ -553,6 +554,9 @@ class HeldReading:
         #: By the id of a globals dict, the names the functions a module's forward runs set
         #: there (:func:`forward_reads`): its own state, where any of them reads them.
         self.globals_written: dict[int, frozenset[str]] = {}
+        #: By the id of a globals dict, the shapes of the names those functions set there by a
+        #: name made at run time (:attr:`ForwardState.globals_set_shapes`).
+        self.globals_set_shapes: dict[int, frozenset[tuple[str, ...]]] = {}
         self.refused: list[str] = []
         self._path: set[int] = set()
         self._count = 0
@@ -718,7 +722,8 @@ class HeldReading:
             kept |= written_names(code, GLOBAL_WRITES) | asked.written
             kept |= self.globals_written.get(id(found), frozenset())
         rows = []
-        named = globals_named(func)
+        shapes = self.globals_set_shapes.get(id(found), frozenset()) if self.forward else None
+        named = globals_named(func, shapes or frozenset())
         for g in named:
             value = found.get(g, _ABSENT)
             if value is not _ABSENT and g not in kept:
@@ -726,15 +731,7 @@ class HeldReading:
                 rows += [] if text is None else [f"global {g}={text}"]
             elif g in asked.read and g not in kept:  # globals().get("K", 1.0): gained later
                 rows.append(f"global {g}=<absent>")
-        reached: dict[str, Any] = {}
-        wholes: dict[str, Any] = {}
-        for g, chain in attribute_chains(code):
-            if g not in kept and g in found and leads_on(found[g], chain[0]):
-                name, value = reached_attribute(g, found[g], chain)
-                if _own_module(value):
-                    wholes.setdefault(name, value)  # passed on or kept: read whole
-                elif name != g and value is not _ABSENT and not self._own_state(code, name):
-                    reached.setdefault(name, value)
+        reached, wholes = self._reached_by_chains(code, found, kept)
         importers = any(
             _holds_importer(found[g])
             for g in named
@@ -749,6 +746,30 @@ class HeldReading:
         for name, module in sorted(wholes.items()):
             rows.append(f"global {name}={self._module_whole(module, name, depth)}")
         return rows
+
+    def _reached_by_chains(
+        self, code: Any, found: Mapping[str, Any], kept: Container[str]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What ``code`` (globals ``found``, its own state ``kept``) reaches by attributes of
+        a global (:func:`attribute_chains`), by dotted name: the settings of the user's
+        modules and classes and the process's it reads, a function of the user's a library
+        module holds (``F.gelu = my_gelu``: :func:`patched_in_library`); and the user's
+        modules it passes on or keeps, read whole."""
+        reached: dict[str, Any] = {}
+        wholes: dict[str, Any] = {}
+        for g, chain in attribute_chains(code):
+            if g in kept or g not in found:
+                continue
+            if leads_on(found[g], chain[0]):
+                name, value = reached_attribute(g, found[g], chain)
+                if _own_module(value):
+                    wholes.setdefault(name, value)  # passed on or kept: read whole
+                elif name != g and value is not _ABSENT and not self._own_state(code, name):
+                    reached.setdefault(name, value)
+            else:  # F.gelu = my_gelu: the user's code runs
+                name, patched = patched_in_library(g, found[g], chain)
+                reached.update({name: patched} if patched is not None else {})
+        return reached, wholes
 
     def _own_state(self, code: Any, dotted: str) -> bool:
         """Whether the global reached at ``dotted`` is the code's own bookkeeping: only
@@ -1053,6 +1074,9 @@ class HeldReading:
                 found = _ABSENT if raw is _ABSENT else class_value(cls, raw)
                 if found is not _ABSENT and is_data(found) and not isinstance(found, type):
                     rows.append(f"{n}={self.text(found, n, depth)}")
+                elif found is not _ABSENT:
+                    swapped = class_library_bound_anew(cls, n, raw)
+                    rows += [] if swapped is None else [f"{n}={swapped}"]
         finally:
             self._in_global -= 1
         return rows
@@ -1107,11 +1131,11 @@ def class_data_names(cls: type, func: Any) -> tuple[str, ...]:
 
 
 def _names_loaded_or_picked(func: Any, cls: type) -> list[str]:
-    """:func:`loaded_names`, every name the user's classes hold (:func:`own_names`) where
-    ``func`` picks an attribute by a name made at run time, and ``forward`` or ``__call__``
+    """:func:`loaded_names`, the names the user's classes hold that a name ``func`` picks
+    an attribute by at run time fits (:class:`RunTimePicks`), and ``forward`` or ``__call__``
     where ``cls`` holds a ``partialmethod`` there (its arguments are settings), sorted."""
     loaded = set(loaded_names(func, cls))
-    loaded |= own_names(cls) if picks_at_run_time(func, cls) else set()
+    loaded |= picks_at_run_time(func, cls).names(cls)
     entries = ("forward", "__call__")  # run by the module's call: no code names them
     loaded |= {n for n in entries if isinstance(vars(cls).get(n), functools.partialmethod)}
     return sorted(loaded)
@@ -1208,7 +1232,7 @@ def later_read(cls: type, func: Any) -> LaterRead | None:
             if callable(v) and not isinstance(v, (type, types.ModuleType))
         )
     )
-    asks = bool(names_asked(func, cls)) or picks_at_run_time(func, cls)
+    asks = bool(names_asked(func, cls)) or bool(picks_at_run_time(func, cls))
     return LaterRead(cls, func, asks, functions) if asks or functions else None
 
 
@@ -1248,38 +1272,194 @@ def _asked_by_name(ins: list[Any], i: int) -> str | None:
     return named if isinstance(named, str) else None
 
 
-def picks_at_run_time(func: Any, cls: type) -> bool:
-    """Whether ``func`` or a method of ``cls`` it reaches asks its object or class for an
-    attribute by a name made at run time (``getattr(self, "forward_" + self.mode)``,
-    ``getattr(type(self), f"_{self.kind}_head")``, ``hasattr(self, name)``): any method or
-    setting of the user's classes may then be read. Kept per code object and class."""
-    return bool(
-        kept_per_object(_PICKS, (func.__code__, cls), None, lambda: _picks(func.__code__, cls))
-    )
+def picks_at_run_time(func: Any, cls: type) -> RunTimePicks:
+    """What ``func`` or a method of ``cls`` it reaches, or a helper of the user's it calls
+    (:func:`helpers_reached`: ``_pick(self, x)``, given the module), asks its object or class
+    for by a name made at run time (``getattr(self, "forward_" + self.mode)``,
+    ``getattr(type(self), f"_{self.kind}_head")``, ``hasattr(self, name)``): the methods and
+    settings of the user's classes whose names fit may then be read. Kept per code object
+    and class."""
+    return kept_per_object(_PICKS, (func.__code__, cls), None, lambda: _run_time_picks(func, cls))
+
+
+def _run_time_picks(func: Any, cls: type) -> RunTimePicks:
+    """:func:`picks_at_run_time`, made anew."""
+    codes = (func.__code__, *(h.__code__ for h in helpers_reached(func)))
+    found = [p for code in codes for p in _picks(code, cls)]
+    held = frozenset(s for s, on_held in found if on_held)  # its own class's fitting too:
+    return RunTimePicks(frozenset(s for s, _ in found), held)  # self.__class__.__mro__[0]
+
+
+@dataclass(frozen=True)
+class RunTimePicks:
+    """The shapes of the names a function picks attributes of its object or class by, made
+    at run time: each the constant parts of one name in their order (``("forward_",)`` for
+    ``"forward_" + self.mode``, ``("_", "_head")`` for ``f"_{self.kind}_head"``), ``()``
+    where no part is known (``getattr(self, name)``): any name fits that one; ``held``, those
+    of the names picked on an object it holds (``getattr(self.heads, "fast_" + mode)``),
+    whose class, in the module's tree, runs the methods that fit (:func:`called_names`).
+    False where none is picked."""
+
+    shapes: frozenset[tuple[str, ...]] = frozenset()
+    held: frozenset[tuple[str, ...]] = frozenset()
+
+    def __bool__(self) -> bool:
+        return bool(self.shapes or self.held)
+
+    def names(self, cls: type, *, any_name: bool = True) -> frozenset[str]:
+        """The names the user's classes in ``cls``'s MRO hold (:func:`own_names`) that a
+        pick's shape fits; with ``any_name`` false, those of shapes with a known part only
+        (what a pick of any name reaches is read, never taken as the forward's own state:
+        a setter beside it, ``cls.scale = s``, sets a setting)."""
+        return _fitting(own_names(cls), self.shapes, any_name)
+
+
+def _fitting(
+    names: Iterable[str], shapes: Iterable[tuple[str, ...]], any_name: bool
+) -> frozenset[str]:
+    """The ``names`` a shape fits (:func:`_fits`); shapes of no known part only where
+    ``any_name``."""
+    kept = [s for s in shapes if known_part(s) or any_name]
+    return frozenset(n for n in names if any(_fits(n, s) for s in kept))
+
+
+def _fits(name: str, shape: tuple[str, ...]) -> bool:
+    """Whether ``name`` is a text of ``shape`` (its parts in order, :data:`_ANY_TEXT` any
+    text): ``forward_fast`` of ``("forward_", _ANY_TEXT)``; any name of a shape with no
+    part known."""
+    if not known_part(shape):
+        return True
+    pattern = "".join(".*" if p == _ANY_TEXT else re.escape(p) for p in shape)
+    return re.fullmatch(pattern, name, re.DOTALL) is not None
+
+
+def known_part(shape: tuple[str, ...]) -> bool:
+    """Whether ``shape`` holds a constant part (a name of it is known in part)."""
+    return any(p != _ANY_TEXT for p in shape)
 
 
 #: picks_at_run_time's, by code object and class (:func:`kept_per_object`).
 _PICKS: dict[Any, Any] = {}
 
 
-def _picks(code: Any, cls: type) -> bool:
-    """:func:`picks_at_run_time`, made anew."""
+def _picks(code: Any, cls: type) -> list[tuple[tuple[str, ...], bool]]:
+    """The picks of ``code`` and the methods of ``cls`` it reaches (:func:`_picked_at`),
+    made anew."""
+    found: list[tuple[tuple[str, ...], bool]] = []
     for each in reached_code(code, cls):
         if "getattr" not in each.co_names and "hasattr" not in each.co_names:
             continue
         ins = list(dis.get_instructions(each))
-        if any(_asked_at_run_time(each, ins, i) for i in range(len(ins))):
-            return True
+        found += [p for i in range(len(ins)) if (p := _picked_at(each, ins, i)) is not None]
+    return found
+
+
+def _picked_at(code: Any, ins: list[Any], i: int) -> tuple[tuple[str, ...], bool] | None:
+    """The shape of the name (:class:`RunTimePicks`) where ``ins[i]`` loads ``getattr`` or
+    ``hasattr`` called on the code's object or class (:func:`_own_object_end`), or on an
+    object it holds (``getattr(self.heads, mode)``: then True beside it), with a name that is
+    no constant; None where it loads something else or the name is a constant."""
+    if ins[i].opname != "LOAD_GLOBAL" or ins[i].argval not in ("getattr", "hasattr"):
+        return None
+    j = _own_object_end(code, ins, i + 1)
+    held = False
+    while j is not None and j < len(ins) and ins[j].opname in _METHOD_LOADS:
+        j, held = j + 1, True  # no name begins by an attribute: self.heads is the object
+    if j is None or _constant_argument(ins, j) is not None:
+        return None
+    return _name_shape(ins, j), held
+
+
+def _name_shape(ins: list[Any], j: int) -> tuple[str, ...]:
+    """The shape (:class:`RunTimePicks`) of the name argument starting at ``ins[j]``, up to
+    the call it is passed to (the first call, or 3.11's ``PRECALL``, of two or three
+    arguments where the name, and a default, are what the argument left on the stack). The
+    argument is followed value by value (:func:`_shape_after`): a constant string is a part
+    only where it is added to the name (``"forward_" + self.mode``) or joined into an
+    f-string; one read otherwise (a key, ``self.cfg["mode"]``; a format spec; a default;
+    ``"{}_head".format(k)``, ``"%s" % k``: what a call or another operator makes is any
+    text) makes no part. ``()`` where the name has no part known, or an instruction it does
+    not follow builds it: any name may be asked."""
+    stack: list[tuple[str, ...] | None] = []
+    for op in ins[j:]:
+        if op.opname in ("PRECALL", "CALL") and op.arg in (2, 3) and len(stack) == op.arg - 1:
+            shape = stack[0] or ()
+            return shape if known_part(shape) else ()
+        if not _shape_after(op, stack):
+            return ()
+    return ()
+
+
+#: The loads of one value (a global's NULL beside it, 3.11) a name may be built of.
+_VALUE_LOADS = frozenset(
+    {"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW", "LOAD_DEREF", "LOAD_GLOBAL", "LOAD_NAME"}
+)
+#: A part of a shape no constant fills (:func:`_name_shape`): any text.
+_ANY_TEXT = "\0"
+
+
+def _shape_after(op: Any, stack: list[tuple[str, ...] | None]) -> bool:
+    """Follow ``op`` on a stack of shapes (a tuple of parts, :data:`_ANY_TEXT` for text
+    not known; None for no string), or False where ``op`` is not one a name is built by."""
+    name = op.opname
+    if name == "LOAD_CONST":
+        stack.append((op.argval,) if isinstance(op.argval, str) else None)
+    elif name in _VALUE_LOADS:
+        stack.extend([None] * (1 + (name == "LOAD_GLOBAL" and op.arg & 1)))
+        stack[-1] = (_ANY_TEXT,)
+    elif name in _METHOD_LOADS:  # self.mode: its value, text or not; a method and its object
+        if not stack:
+            return False
+        stack[-1:] = [None] * dis.stack_effect(op.opcode, op.arg, jump=False) + [(_ANY_TEXT,)]
+    elif name in ("PRECALL", "KW_NAMES"):
+        pass  # 3.11's: CALL pops what the call takes
+    else:
+        return _shape_of_operation(op, stack)
+    return True
+
+
+def _shape_of_operation(op: Any, stack: list[tuple[str, ...] | None]) -> bool:
+    """:func:`_shape_after` of an operation on values already loaded."""
+    name = op.opname
+    if name == "CALL":  # str(n), self.mode.replace("-", "_"): its result, any text
+        return _popped(stack, op.arg + 2, (_ANY_TEXT,))
+    if name == "BINARY_OP" and op.argrepr in ("+", "+=") and len(stack) >= 2:
+        right, left = stack.pop(), stack.pop()
+        stack.append(None if left is None or right is None else _joined(left, right))
+        return True
+    if name in ("BINARY_OP", "BINARY_SUBSCR"):  # "%s_head" % k, cfg["mode"]: any text
+        return _popped(stack, 2, (_ANY_TEXT,))
+    if name == "FORMAT_VALUE":  # a spec (``:02d``) is no part of the name
+        return _popped(stack, 2 if op.arg & 4 else 1, (_ANY_TEXT,))
+    if name == "BUILD_STRING" and len(stack) >= op.arg:
+        parts = stack[len(stack) - op.arg :]
+        del stack[len(stack) - op.arg :]
+        stack.append(_joined(*(p or (_ANY_TEXT,) for p in parts)))
+        return True
     return False
 
 
-def _asked_at_run_time(code: Any, ins: list[Any], i: int) -> bool:
-    """Whether ``ins[i]`` loads ``getattr`` or ``hasattr`` called on the code's object or
-    class (:func:`_own_object_end`) with a name that is no constant."""
-    if ins[i].opname != "LOAD_GLOBAL" or ins[i].argval not in ("getattr", "hasattr"):
+def _popped(
+    stack: list[tuple[str, ...] | None], count: int, pushed: tuple[str, ...] | None
+) -> bool:
+    """Pop ``count`` shapes off ``stack`` and push ``pushed``; False where it holds fewer."""
+    if len(stack) < count:
         return False
-    j = _own_object_end(code, ins, i + 1)
-    return j is not None and _constant_argument(ins, j) is None
+    del stack[len(stack) - count :]
+    stack.append(pushed)
+    return True
+
+
+def _joined(*shapes: tuple[str, ...]) -> tuple[str, ...]:
+    """The shape of the texts of ``shapes`` joined: constants next to each other are one
+    part, as are texts not known next to each other."""
+    out: list[str] = []
+    for part in (p for shape in shapes for p in shape):
+        if out and (part == _ANY_TEXT) == (out[-1] == _ANY_TEXT):
+            out[-1] = out[-1] if part == _ANY_TEXT else out[-1] + part
+        else:
+            out.append(part)
+    return tuple(out)
 
 
 #: The names a method's object or class goes by where it is no argument (a closure's cell).
@@ -1288,8 +1468,14 @@ _OWN_NAMES = frozenset({"self", "cls"})
 
 def _own_object_end(code: Any, ins: list[Any], j: int) -> int | None:
     """Where the instructions after loading the method's object or class at ``ins[j]`` go
-    on (``self``, ``cls``, ``self.__class__``, ``type(self)``), or None where ``ins[j]``
-    loads another object."""
+    on (``self``, ``cls``, ``self.__class__``, ``type(self)``, ``super()``), or None where
+    ``ins[j]`` loads another object."""
+    if j < len(ins) and ins[j].opname == "LOAD_GLOBAL" and ins[j].argval == "super":
+        at = j + 1
+        while at < len(ins) and ins[at].opname in _CALL_PREFIXES:
+            at += 1
+        bare = at < len(ins) and ins[at].opname == "CALL" and ins[at].arg == 0
+        return at + 1 if bare else None
     if j < len(ins) and ins[j].opname == "LOAD_GLOBAL" and ins[j].argval == "type":
         k = _own_object_end(code, ins, j + 1)
         while k is not None and k < len(ins) and ins[k].opname in _CALL_PREFIXES:
@@ -1453,6 +1639,76 @@ def library_bound_anew(name: str, value: Any, where: Mapping[str, Any] | None) -
     return f"<{getattr(value, '__module__', None) or ''}.{qualname}>"
 
 
+def class_library_bound_anew(cls: type, name: str, raw: Any) -> str | None:
+    """A library's function a class of the user's holds under ``name`` (as
+    :func:`inspect.getattr_static` finds it: ``raw``) otherwise than its class body binds it
+    (``Block.act = torch.tanh`` set by a script where the body says ``act =
+    torch.sigmoid``; ``staticmethod(F.gelu)`` read as its function), by its module and
+    qualified name, as :func:`library_bound_anew` keys a
+    global; None where the class holding it is a library's, or it is the very object the
+    body's one binding gives (:func:`class_statically_bound`: the code's own choice, keyed by
+    its source), or no library function."""
+    value = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+    if not (inspect.isroutine(value) or isinstance(value, np.ufunc)) or is_own_code(value):
+        return None
+    holder = next((k for k in cls.__mro__ if name in vars(k)), None)
+    if holder is None or is_library_code(holder):
+        return None
+    if class_statically_bound(holder, name) is value:
+        return None
+    qualname = getattr(value, "__qualname__", getattr(value, "__name__", "?"))
+    return f"<{getattr(value, '__module__', None) or ''}.{qualname}>"
+
+
+def class_statically_bound(cls: type, name: str) -> Any:
+    """The object the one binding of ``name`` in ``cls``'s class body (``act =
+    torch.sigmoid``, ``from torch import tanh as act``) gives, resolved in its module's
+    globals as :func:`statically_bound` resolves a top-level one, or ``_ABSENT`` where the
+    body binds it otherwise, or the class's source is not found."""
+    module = sys.modules.get(cls.__module__)
+    filename = getattr(module, "__file__", None)
+    if module is None or not isinstance(filename, str):
+        return _ABSENT
+    bound = class_body_bindings(filename, cls.__qualname__).get(name, ())
+    return _resolved(bound, vars(module))
+
+
+def class_body_bindings(
+    filename: str, qualname: str
+) -> Mapping[str, tuple[tuple[str | None, tuple[str, ...]], ...]]:
+    """What :func:`bound_in_source` gives for the body of the class ``qualname`` in
+    ``filename`` (found by its names, nested classes through their bodies); empty where no
+    one class of that name is found. Kept per file and name."""
+    key = (filename, qualname)
+    kept = _CLASS_BOUND.get(key)
+    if kept is None:
+        body = _module_tree(filename).body
+        for part in qualname.split("."):
+            found = [n for n in _top_level(body) if isinstance(n, ast.ClassDef) and n.name == part]
+            body = found[0].body if len(found) == 1 else []
+        bound: dict[str, list[tuple[str | None, tuple[str, ...]]]] = {}
+        for node in _top_level(body):
+            for target, source in _bindings(_unwrapped(node)):
+                bound.setdefault(target, []).append(source)
+        kept = _CLASS_BOUND[key] = {k: tuple(v) for k, v in bound.items()}
+    return kept
+
+
+def _unwrapped(node: ast.stmt) -> ast.stmt:
+    """``post = staticmethod(F.gelu)`` read as ``post = F.gelu`` (what the class runs)."""
+    if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Call):
+        return node
+    call = node.value
+    named = isinstance(call.func, ast.Name) and call.func.id == "staticmethod"
+    if named and len(call.args) == 1 and not call.keywords:
+        return ast.Assign(targets=node.targets, value=call.args[0])
+    return node
+
+
+#: class_body_bindings's, by file and qualified name.
+_CLASS_BOUND: dict[tuple[str, str], dict[str, tuple[tuple[str | None, tuple[str, ...]], ...]]] = {}
+
+
 def _own_globals(where: Mapping[str, Any]) -> bool:
     """Whether ``where`` is the globals of a module of the user's (not a library's, whose
     own bindings the library's version answers for)."""
@@ -1483,7 +1739,15 @@ def statically_bound(filename: str, name: str, scope: Mapping[str, Any]) -> Any:
     ``ACT = torch.sigmoid``: ``scope["torch"].sigmoid``; ``ACT = getattr(torch, "tanh")``),
     or ``_ABSENT`` where the file binds it otherwise (in two places, by a call, a tuple) or
     is not read. Only modules' attributes are read: no code runs."""
-    bound = bound_in_source(filename).get(name, ())
+    return _resolved(bound_in_source(filename).get(name, ()), scope)
+
+
+def _resolved(
+    bound: tuple[tuple[str | None, tuple[str, ...]], ...], scope: Mapping[str, Any]
+) -> Any:
+    """The object one binding read from a file (:func:`bound_in_source`) gives, resolved in
+    the module's globals ``scope``; ``_ABSENT`` where there are two or it reads no dotted
+    name."""
     if len(bound) != 1 or not bound[0][1]:  # bound twice, or by no dotted name
         return _ABSENT
     module, chain = bound[0]
@@ -1518,16 +1782,21 @@ def bound_in_source(filename: str) -> Mapping[str, tuple[tuple[str | None, tuple
     """
     kept = _BOUND.get(filename)
     if kept is None:
-        try:
-            tree = ast.parse(Path(filename).read_bytes())
-        except (OSError, SyntaxError, ValueError):
-            tree = ast.Module(body=[], type_ignores=[])
         bound: dict[str, list[tuple[str | None, tuple[str, ...]]]] = {}
-        for node in _top_level(tree.body):
+        for node in _top_level(_module_tree(filename).body):
             for target, source in _bindings(node):
                 bound.setdefault(target, []).append(source)
         kept = _BOUND[filename] = {k: tuple(v) for k, v in bound.items()}
     return kept
+
+
+def _module_tree(filename: str) -> ast.Module:
+    """The parsed source of ``filename`` (an empty module where it is not read: none, or no
+    Python)."""
+    try:
+        return ast.parse(Path(filename).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return ast.Module(body=[], type_ignores=[])
 
 
 #: bound_in_source's, by file name.
@@ -1733,17 +2002,73 @@ def _loaded_globals(code: Any) -> tuple[str, ...]:
     return tuple(sorted(names.union(globals_asked(code).read)))
 
 
-def globals_named(func: Any) -> tuple[str, ...]:
-    """The globals ``func``'s code reads (:func:`global_names`), and, where it uses
+def globals_named(
+    func: Any, set_shapes: frozenset[tuple[str, ...]] = frozenset()
+) -> tuple[str, ...]:
+    """The globals ``func``'s code reads (:func:`global_names`), and, where it reads
     ``globals()`` otherwise than by a constant name (``globals()[self.act_name]``, passed
-    on: :attr:`GlobalsAsked.whole`), every global of its file but the module's own dunders:
-    any of them may be read."""
+    on: :attr:`GlobalsAsked.whole`), every global of its file but the module's dunders and
+    those the code, or the functions of its forward (``set_shapes``), sets by a name made at
+    run time (``globals()["_warned_" + k] = True``: the names of that shape, its own state:
+    keyed, each run would change the key), unless the file binds them itself
+    (:func:`file_bound_names`: ``SCALE_fast = 2.0``, a setting however else it is set).
+    Where such a name has no part known, only the globals the file binds are read."""
     names = global_names(func.__code__)
-    if not globals_asked(func.__code__).whole:
+    asked = globals_asked(func.__code__)
+    if not asked.whole:
         return names
     found = getattr(func, "__globals__", {})
-    every = (g for g in found if not (g.startswith("__") and g.endswith("__")))
-    return tuple(sorted({*names, *every}))
+    shapes = asked.set_shapes | set_shapes
+    every = [g for g in found if not (g.startswith("__") and g.endswith("__"))]
+    if not shapes:
+        return tuple(sorted({*names, *every}))
+    bound = file_bound_names(func.__code__.co_filename, found)
+    if not all(known_part(s) for s in shapes):  # globals()[k] = v: any name may be its own
+        every = [g for g in every if g in bound] if bound else every
+    own = _fitting(every, shapes, any_name=False) - bound  # what the file binds: a setting
+    return tuple(sorted({*names, *(g for g in every if g not in own)}))
+
+
+def file_bound_names(filename: str, scope: Mapping[str, Any]) -> frozenset[str]:
+    """The globals the file ``filename`` binds by its own statements: at its top level (an
+    assignment, a ``for`` target, a walrus, an import, a ``def`` or ``class``), by a ``global``
+    statement anywhere, and the public names of each module it imports ``*`` from (resolved
+    in its globals ``scope``); empty for a file not read."""
+    tree = _module_tree(filename)
+    names: set[str] = set()
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            continue  # its body binds its own names
+        if isinstance(node, ast.Lambda):
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= _imported_names_of(node, scope)
+        todo.extend(ast.iter_child_nodes(node))
+    names |= {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
+    return frozenset(names)
+
+
+def _imported_names_of(node: ast.Import | ast.ImportFrom, scope: Mapping[str, Any]) -> set[str]:
+    """The names an import statement binds; an ``import *``, the public names of the module
+    (its ``__all__``, else those not begun by ``_``), found in ``sys.modules``."""
+    if isinstance(node, ast.Import):
+        return {a.asname or a.name.partition(".")[0] for a in node.names}
+    if not any(a.name == "*" for a in node.names):
+        return {a.asname or a.name for a in node.names}
+    try:
+        module = "." * node.level + (node.module or "")
+        found = sys.modules.get(importlib.util.resolve_name(module, scope.get("__package__") or ""))
+    except (ImportError, ValueError):
+        return set()
+    public = getattr(found, "__all__", None)
+    if public is None:
+        public = [n for n in vars(found) if not n.startswith("_")] if found is not None else []
+    return {str(n) for n in public}
 
 
 @dataclass(frozen=True)
@@ -1752,12 +2077,15 @@ class GlobalsAsked:
     reads by a constant (``globals()["K"]``, ``globals().get("K", d)``, ``"K" in
     globals()``), those it sets or deletes by a constant (``globals()["K"] = v``,
     ``globals().setdefault("K", v)``: its own state, as a ``global K`` it writes is), and
-    whether it uses ``globals()`` any other way (a name made at run time, the dict passed
-    on or iterated), where every global may be read."""
+    whether it reads ``globals()`` any other way (a name made at run time, the dict passed
+    on or iterated), where every global may be read. Setting a global by a name made at
+    run time (``globals()["_warned_" + k] = True``) reads none."""
 
     read: frozenset[str] = frozenset()
     written: frozenset[str] = frozenset()
     whole: bool = False
+    #: The shapes (:class:`RunTimePicks`) of the names it sets by a name made at run time.
+    set_shapes: frozenset[tuple[str, ...]] = frozenset()
 
 
 def globals_asked(code: Any) -> GlobalsAsked:
@@ -1773,6 +2101,7 @@ def _globals_asked(code: Any) -> GlobalsAsked:
     """:func:`globals_asked`, made anew."""
     read: set[str] = set()
     written: set[str] = set()
+    shapes: set[tuple[str, ...]] = set()
     whole = False
     for each in reached_code(code, None):
         if "globals" not in each.co_names:
@@ -1784,17 +2113,34 @@ def _globals_asked(code: Any) -> GlobalsAsked:
             use = _globals_use(ins, i)
             if use is None:
                 whole = True
-            elif use[1]:
-                written.add(use[0])
+            elif use.name is None:  # set by a name made at run time: its own state, no read
+                shapes.add(use.shape)
+            elif use.sets:
+                written.add(use.name)
             else:
-                read.add(use[0])
-    return GlobalsAsked(frozenset(read), frozenset(written), whole)
+                read.add(use.name)
+    return GlobalsAsked(frozenset(read), frozenset(written), whole, frozenset(shapes))
 
 
-def _globals_use(ins: list[Any], i: int) -> tuple[str, bool] | None:
-    """The constant name ``globals()`` called at ``ins[i]`` (the load of ``globals``) is
-    used by, and whether that use sets it (``globals()["K"] = v``, ``del globals()["K"]``,
-    ``.setdefault``); None for any other use."""
+@dataclass(frozen=True)
+class GlobalsUse:
+    """One use of ``globals()``: the constant name it reads or sets (None: a name made at
+    run time, set, of the shape ``shape``: :class:`RunTimePicks`), and whether it sets it."""
+
+    name: str | None
+    sets: bool
+    shape: tuple[str, ...] = ()
+
+
+#: What ``globals()``'s dict is asked through that sets a name (``.setdefault(k, v)``).
+_GLOBALS_SETTERS = frozenset({"setdefault", "pop", "update", "__setitem__", "__delitem__"})
+
+
+def _globals_use(ins: list[Any], i: int) -> GlobalsUse | None:
+    """The use of ``globals()`` called at ``ins[i]`` (the load of ``globals``): a constant
+    name read or set (``globals()["K"] = v``, ``del globals()["K"]``, ``.setdefault``), or
+    a name made at run time set (``globals()[f"STAT_{n}"] = v``, ``.setdefault(k, v)``);
+    None for any other use (read by a name made at run time, passed on, iterated)."""
     k = i + 1
     while k < len(ins) and ins[k].opname in _CALL_PREFIXES:
         k += 1
@@ -1804,14 +2150,40 @@ def _globals_use(ins: list[Any], i: int) -> tuple[str, bool] | None:
     ops = [o.opname for o in after]
     subscripted = ops[1:] and ops[1] in ("BINARY_SUBSCR", "STORE_SUBSCR", "DELETE_SUBSCR")
     if subscripted and ops[0] == "LOAD_CONST" and isinstance(after[0].argval, str):
-        return after[0].argval, ops[1] != "BINARY_SUBSCR"
-    if ops[:1] and ops[0] in _METHOD_LOADS and after[0].argval in ("get", "setdefault"):
+        return GlobalsUse(after[0].argval, ops[1] != "BINARY_SUBSCR")
+    if ops[:1] and ops[0] in _METHOD_LOADS and after[0].argval in ("get", *_GLOBALS_SETTERS):
+        sets = after[0].argval in _GLOBALS_SETTERS
         name = _constant_argument(ins, k + 2)
-        return None if name is None else (name, after[0].argval == "setdefault")
+        return GlobalsUse(name, sets) if name is not None or sets else None  # shape: any
     before = ins[i - 1] if i > 0 else None
     named = before.argval if before is not None and before.opname == "LOAD_CONST" else None
     if ops[:1] == ["CONTAINS_OP"] and isinstance(named, str):
-        return named, False
+        return GlobalsUse(named, False)
+    shape = _set_by_a_name_made_now(ins, k + 1)
+    return None if shape is None else GlobalsUse(None, True, shape)
+
+
+def _set_by_a_name_made_now(ins: list[Any], j: int) -> tuple[str, ...] | None:
+    """The shape (:class:`RunTimePicks`) of the name ``globals()``'s dict, on the stack
+    before ``ins[j]``, is next subscripted to set or delete an item by (``globals()["_warned_"
+    + k] = True``: ``("_warned_", any text)``; ``()`` where the name is not followed), or
+    None where the next subscript reads (found by the stack's depth: the dict and the name
+    on it)."""
+    depth, stack = 1, list[tuple[str, ...] | None]([None])
+    followed = True
+    for op in ins[j:]:
+        if op.opname in ("STORE_SUBSCR", "DELETE_SUBSCR", "BINARY_SUBSCR") and depth == 2:
+            if op.opname == "BINARY_SUBSCR":
+                return None
+            shape = stack[-1] if followed and len(stack) == 2 and stack[-1] else ()
+            return shape if known_part(shape) else ()
+        followed = followed and _shape_after(op, stack)
+        try:
+            depth += dis.stack_effect(op.opcode, op.arg, jump=False)
+        except ValueError:  # an opcode with no effect of its own (a cache entry)
+            continue
+        if depth < 2 and op.opname not in _CALL_PREFIXES:
+            return None
     return None
 
 
@@ -1852,7 +2224,11 @@ def _names_read(code: Any, parts: list[str], how: Read) -> tuple[str, ...] | Non
     through a local: :func:`reached_otherwise`)."""
     names: set[str] = set()
     written: set[str] = set()
-    if reached_otherwise(code, parts) or parts[0] in globals_asked(code).read:
+    if (
+        reached_otherwise(code, parts)
+        or parts[0] in globals_asked(code).read
+        or _import_used_otherwise(code, parts[0])
+    ):
         return None  # globals()["CFG"]["gain"] beside CFG["bias"]: no use says all it reads
     for ins, start, end in _chain_sites(code, parts):
         field = field_written(ins, end) if how is Read.BY_FIELD else None
@@ -1886,11 +2262,47 @@ def _chain_sites(code: Any, parts: list[str]) -> Iterator[tuple[list[Any], int, 
     global followed by another name (``os.path`` for ``os.environ``) is no use of it."""
     for each in reached_code(code, None):
         ins = list(dis.get_instructions(each))
+        local = import_locals(each, ins, parts[0])
         for i, op in enumerate(ins):
-            if op.opname == "LOAD_GLOBAL" and op.argval == parts[0]:
+            as_global = op.opname == "LOAD_GLOBAL" and op.argval == parts[0]
+            if as_global or (op.opname in _ARGUMENT_LOADS and op.argval in local):
                 end = _chain_end(ins, i, parts)
                 if end is not None:
                     yield ins, i, end
+
+
+def import_locals(code: Any, ins: list[Any], module: str) -> frozenset[str]:
+    """The locals of ``code`` (its instructions ``ins``) an ``import module`` (``import os``,
+    ``import os as o``) in it binds: read as the global of that name is (a function-local
+    ``import os`` reading ``os.environ.get("GAIN")`` reads that variable alone)."""
+    if "IMPORT_NAME" not in {op.opname for op in ins}:
+        return frozenset()
+    aliases: dict[Any, set[Any]] = {}
+    for i, op in enumerate(ins):
+        if op.opname == "IMPORT_NAME" and i >= 2:
+            _imported_names(code, ins, i, aliases)
+    whole = (("import", module, "0"), ())
+    return frozenset(
+        key[1] for key, held in aliases.items() if isinstance(key, tuple) and whole in held
+    )
+
+
+def _import_used_otherwise(code: Any, module: str) -> bool:
+    """Whether a local an ``import module`` binds (:func:`import_locals`) is used other than
+    by reading an attribute of it at once (``f(os)``, returned), or the module is reached by
+    a call (``__import__("os").environ``, ``importlib.import_module``) or out of
+    ``sys.modules``: then no use of it seen by name says all it reads."""
+    for each in reached_code(code, None):
+        names = set(each.co_names)
+        if {"__import__", "import_module"} & names or {"sys", "modules"} <= names:
+            return True  # read whole, as before: rare, and no use of it is followed
+        ins = list(dis.get_instructions(each))
+        local = import_locals(each, ins, module)
+        for i, op in enumerate(ins[:-1]):
+            loaded = op.opname in _ARGUMENT_LOADS and op.argval in local
+            if loaded and ins[i + 1].opname not in _METHOD_LOADS:
+                return True
+    return False
 
 
 def _chain_end(ins: list[Any], i: int, parts: list[str]) -> int | None:
@@ -3024,16 +3436,137 @@ def forward_functions(module: Any) -> tuple[tuple[type, Any], ...]:
     classes read library globals, versioned by the library), its ``forward`` and every method
     of the class it reaches by name (:func:`reached_methods`: ``self.scale(x)``), and the
     ``forward`` of each base class of the user's (``super().forward(x)``) with what it reaches,
-    each ``(class, function)`` once, in the tree's order. An instance's own ``forward`` is
-    read otherwise (refused while it differs)."""
+    each ``(class, function)`` once, in the tree's order; then a method of a submodule's class
+    another class's code calls (``self.heads.fast(y)``: :func:`called_names`), in the order
+    found. A function of the user's set on a library's class (``nn.Linear.forward =
+    patched``: :func:`library_patches`) is read with each class of the tree it reaches. An
+    instance's own ``forward`` is read otherwise (refused while it differs)."""
+    subs = list(module.modules()) if hasattr(module, "modules") else [module]
+    every = list(dict.fromkeys(type(sub) for sub in subs))
+    classes = [cls for cls in every if not is_library_code(cls)]
     found: dict[tuple[type, Any], None] = {}
-    subs = module.modules() if hasattr(module, "modules") else [module]
-    for cls in dict.fromkeys(type(sub) for sub in subs if reads_held_attributes(sub)):
-        found.update(dict.fromkeys((cls, f) for f in _methods_run(cls)))
+    called: frozenset[str] = frozenset()
+    while True:
+        for cls in classes:
+            for f in _methods_run(cls, called=called):
+                found.setdefault((cls, f), None)
+        more = called_names(found)
+        picked = [picks_at_run_time(f, c).held for c, f in found if not is_library_code(f)]
+        if any(picked):  # getattr(self.heads, "fast_" + mode): heads' class runs fast_*
+            shapes = frozenset().union(*picked)
+            more |= {n for cls in classes for n in _fitting(own_names(cls), shapes, True)}
+        if more <= called:
+            break
+        called |= more
+    for cls in every:
+        for f in library_patches(cls):
+            found.setdefault((cls, f), None)
     return tuple(found)
 
 
-def _methods_run(cls: type) -> list[Any]:
+def library_patches(cls: type) -> tuple[Any, ...]:
+    """The functions of the user's the library's classes in ``cls``'s MRO hold
+    (:func:`functions_held`: ``nn.Linear.forward = patched``, a transformers attention's
+    forward replaced by the user's), with the methods of ``cls`` each reaches, and those its
+    library forward calls through a module (:func:`functions_patched_in`): what the library
+    runs is the user's code there, which the library's version does not answer for (keyed
+    by its code and what it reads, :func:`forward_reads`)."""
+    held = [f for k in cls.__mro__ if is_library_code(k) for f in _patched_on(k)]
+    reached = dict.fromkeys(m for f in held for m in reached_methods(f, cls))
+    return tuple(dict.fromkeys([*reached, *functions_patched_in(cls)]))
+
+
+def _patched_on(k: type) -> tuple[Any, ...]:
+    """The functions of the user's the library class ``k`` holds itself; kept per class and
+    the ids of what it holds (one class read once however many classes of the tree it is a
+    base of)."""
+    state = tuple(map(id, vars(k).values()))
+    return kept_per_object(_PATCHES, (k,), state, lambda: _patched_found(k))
+
+
+#: _patched_on's, by class and state (:func:`kept_per_object`).
+_PATCHES: dict[Any, Any] = {}
+
+
+def _patched_found(k: type) -> tuple[Any, ...]:
+    """:func:`_patched_on`, made anew."""
+    found: dict[Any, None] = {}
+    for attr in vars(k).values():
+        if type(attr) not in _PLAIN_TYPES:
+            found.update(dict.fromkeys(f for f in functions_held(attr) if is_own_code(f)))
+    return tuple(found)
+
+
+def functions_patched_in(cls: type) -> tuple[Any, ...]:
+    """The functions of the user's a library class's ``forward`` calls through a library
+    module's attribute or a global (``F.gelu = my_gelu``, ``torch.nn.functional.
+    scaled_dot_product_attention = patched``): read at each key, since no class changes
+    where a module's attribute is bound anew. Only the forward's own calls (a library
+    function it calls that calls a patched one is not followed)."""
+    forward = inspect.getattr_static(cls, "forward", None)
+    if type(forward) is not types.FunctionType or not is_library_code(forward):
+        return ()
+    found = forward.__globals__
+    values = [found.get(g) for g in global_names(forward.__code__)]
+    for g, chain in attribute_chains(forward.__code__):
+        value = found.get(g)
+        for part in chain:
+            if not isinstance(value, types.ModuleType):
+                break
+            value = vars(value).get(part)
+        values.append(value)
+    return tuple(
+        dict.fromkeys(v for v in values if type(v) is types.FunctionType and is_own_code(v))
+    )
+
+
+def patched_in_library(base: str, value: Any, chain: tuple[str, ...]) -> tuple[str, Any]:
+    """``(dotted name, function)`` where the chain of attributes ``chain`` read from the
+    library module ``value`` (named ``base``) reaches through modules a function of the
+    user's (``F.gelu = my_gelu``: ``("F.gelu", my_gelu)``), keyed as a helper of the user's
+    is; ``(name, None)`` where it reaches none."""
+    parts = [base]
+    for part in chain:
+        if not isinstance(value, types.ModuleType):
+            break
+        value = vars(value).get(part)
+        parts.append(part)
+    own = type(value) is types.FunctionType and is_own_code(value)
+    return ".".join(parts), value if own else None
+
+
+def called_names(functions: Iterable[tuple[type, Any]]) -> frozenset[str]:
+    """The names the user's functions among ``functions`` call methods of a submodule by
+    (``fast`` for ``self.heads.fast(y)``: an attribute of an attribute of the first
+    argument): the methods of that name a class of the tree holds run, a submodule's
+    ``fast`` run by its parent's forward. Kept per code object."""
+    return frozenset(
+        n
+        for _, f in functions
+        if not is_library_code(f)
+        for n in kept_per_object(_CALLED, (f.__code__,), None, lambda f=f: _called_by(f))
+    )
+
+
+#: called_names's, by code object (:func:`kept_per_object`).
+_CALLED: dict[Any, Any] = {}
+
+
+def _called_by(func: Any) -> frozenset[str]:
+    """:func:`called_names` of one function, made anew."""
+    names: set[str] = set()
+    for code in reached_code(func.__code__, None):
+        ins = list(dis.get_instructions(code))
+        for i in range(len(ins) - 2):
+            if _own_object_end(code, ins, i) == i + 1 and ins[i + 1].opname in _METHOD_LOADS:
+                after = ins[i + 2]
+                names |= {str(after.argval)} if after.opname in _METHOD_LOADS else set()
+    return frozenset(names)
+
+
+def _methods_run(
+    cls: type, *, any_name: bool = True, called: frozenset[str] = frozenset()
+) -> list[Any]:
     """The functions of ``cls``'s own classes (not a library's) its ``forward`` may run:
     each of theirs named ``forward``, and each named as an attribute that code reaches loads
     (``self.scaled(x)``; a base class's ``scaled`` a subclass's runs through
@@ -3044,11 +3577,13 @@ def _methods_run(cls: type) -> list[Any]:
     ``_conv_forward`` override, at any depth), with what each reaches
     (:func:`reached_methods`), until no more are found; the user's ``__call__``, the
     function of a ``partialmethod`` and what a wrapper made without ``functools.wraps``
-    holds (:func:`functions_held`); every method of the user's classes where one asks for
-    an attribute by a name made at run time (:func:`picks_at_run_time`). Kept per class and
-    :func:`class_layout`."""
+    holds (:func:`functions_held`); the methods of the user's classes whose names fit one
+    asked for by a name made at run time (:func:`picks_at_run_time`; with ``any_name``
+    false, not those a pick of any name alone reaches); those named ``called`` (run by
+    another class's code: :func:`called_names`). Kept per class and :func:`class_layout`."""
     state = (class_layout(cls), _own_callables(cls))
-    return list(kept_per_object(_RUN, (cls,), state, lambda: _methods_found(cls)))
+    extra = (state, any_name, called)
+    return list(kept_per_object(_RUN, (cls,), extra, lambda: _methods_found(cls, any_name, called)))
 
 
 def _own_callables(cls: type) -> tuple[int, ...]:
@@ -3083,13 +3618,13 @@ _METHOD_KINDS = (staticmethod, classmethod, property, functools.partialmethod)
 _RUN: dict[Any, Any] = {}
 
 
-def _methods_found(cls: type) -> list[Any]:
+def _methods_found(cls: type, any_name: bool, called: frozenset[str]) -> list[Any]:
     """:func:`_methods_run`, made anew. The user's ``__call__`` runs first, whatever the
     forward; a function wraps what its closure cells hold of the user's (a decorator made
     without ``functools.wraps``), and a ``partialmethod`` runs its function."""
     own = [k for k in cls.__mro__ if not is_library_code(k)]
     library = [k for k in cls.__mro__ if is_library_code(k)]
-    names, found, library_read = {"forward"}, dict[Any, None](), set[Any]()
+    names, found, library_read = {"forward", *called}, dict[Any, None](), set[Any]()
     while True:
         names |= _library_reaches(library, names, library_read)
         defined = [
@@ -3107,7 +3642,7 @@ def _methods_found(cls: type) -> list[Any]:
             names |= {n for code in reached_code(f.__code__, cls) for n in attribute_names(code)}
             if not is_library_code(f):  # a library's own code asks nothing of the user's
                 names |= {*names_asked(f, cls), *helpers_attribute_names(f)}
-                names |= own_names(cls) if picks_at_run_time(f, cls) else set()
+                names |= picks_at_run_time(f, cls).names(cls, any_name=any_name)
 
 
 def functions_held(attr: Any) -> list[Any]:
@@ -3185,7 +3720,27 @@ _HELPER_NAMES: dict[Any, Any] = {}
 
 def _helper_names(func: Any) -> frozenset[str]:
     """:func:`helpers_attribute_names`, made anew."""
-    names: set[str] = set()
+    return frozenset(
+        n
+        for helper in helpers_reached(func)
+        for c in reached_code(helper.__code__, None)
+        for n in attribute_names(c)
+    )
+
+
+def helpers_reached(func: Any) -> tuple[Any, ...]:
+    """The user's helpers ``func`` calls (:func:`_helpers_called`), and theirs in turn, each
+    once. Kept per code object."""
+    return kept_per_object(_HELPERS, (func.__code__,), None, lambda: _helpers_reached(func))
+
+
+#: helpers_reached's, by code object (:func:`kept_per_object`).
+_HELPERS: dict[Any, Any] = {}
+
+
+def _helpers_reached(func: Any) -> tuple[Any, ...]:
+    """:func:`helpers_reached`, made anew."""
+    found: dict[Any, None] = {}
     todo, seen = [func], set[Any]()
     while todo:
         now = todo.pop()
@@ -3193,9 +3748,9 @@ def _helper_names(func: Any) -> frozenset[str]:
             continue
         seen.add(now.__code__)
         for helper in _helpers_called(now):
-            names |= {n for c in reached_code(helper.__code__, None) for n in attribute_names(c)}
+            found.setdefault(helper, None)
             todo.append(helper)
-    return frozenset(names)
+    return tuple(found)
 
 
 def _helpers_called(func: Any) -> list[Any]:
@@ -3265,10 +3820,14 @@ def forward_reads(
     shadowed = instance_names(module)
     rows = []
     read_before: set[Any] = set()
-    states = {cls: forward_state(cls) for cls in dict.fromkeys(cls for cls, _ in functions)}
+    functions = tuple(functions)
+    called = called_names(functions)
+    classes = dict.fromkeys(cls for cls, _ in functions)
+    states = {cls: forward_state(cls, called) for cls in classes}
     for cls, func in functions:
         refused = len(reading.refused)
         reading.globals_written = states[cls].globals_written
+        reading.globals_set_shapes = states[cls].globals_set_shapes
         read = [] if func in read_before else reading.globals_read(func)
         read_before.add(func)
         own = states[cls].class_written  # type(self)._fb = w, a class memo dict filled
@@ -3276,6 +3835,8 @@ def forward_reads(
         read += [settings] if settings else []
         if left_out is not None:
             left_out += [(cls, what) for what in reading.refused[refused:]]
+        if is_library_code(cls) and not is_library_code(func):  # nn.Linear.forward = patched
+            read.insert(0, f"code={cached_code_digest(func.__code__)}")
         if read:
             owner = _script_named(func.__module__)
             named = f"{owner}.{func.__qualname__}@{cls.__qualname__}({','.join(read)})"
@@ -3290,33 +3851,54 @@ class ForwardState:
     (:func:`class_written_names`), and, by the id of a globals dict, the globals they set
     there (``global STEP; STEP += 1``, ``globals()["K"] = v``). One method's counter read by
     another (``report()`` reading ``type(self).calls``) is the forward's own, not a
-    setting: keyed, each run would change the key."""
+    setting: keyed, each run would change the key. Of a method only a pick of any name
+    reaches (``getattr(self, self.head)`` beside a ``set_scale`` classmethod), only what it
+    bumps or records into (``type(self).calls += 1``) is its own: what it sets plainly
+    (``cls.scale = s``, ``globals()["SCALE_" + mode] = v``) is a setting, read and keyed.
+    ``called``: the names another class's code calls a submodule's methods by
+    (:func:`called_names`), run as surely as the forward's own."""
 
     class_written: frozenset[str]
     globals_written: dict[int, frozenset[str]]
+    #: By the id of a globals dict, the shapes of the names they set there by a name made at
+    #: run time (:attr:`GlobalsAsked.set_shapes`).
+    globals_set_shapes: dict[int, frozenset[tuple[str, ...]]] = field(default_factory=dict)
 
 
-def forward_state(cls: type) -> ForwardState:
-    """:class:`ForwardState` of ``cls``, kept per class, layout and methods held (as
+def forward_state(cls: type, called: frozenset[str] = frozenset()) -> ForwardState:
+    """:class:`ForwardState` of ``cls`` (``called``: the names another class's code runs
+    methods of, :func:`called_names`), kept per class, layout and methods held (as
     :func:`_methods_run`)."""
     state = (class_layout(cls), _own_callables(cls))
-    return kept_per_object(_FORWARD_STATE, (cls,), state, lambda: _forward_state(cls))
+    extra = (state, called)
+    return kept_per_object(_FORWARD_STATE, (cls,), extra, lambda: _forward_state(cls, called))
 
 
 #: forward_state's, by class and state (:func:`kept_per_object`).
 _FORWARD_STATE: dict[Any, Any] = {}
 
 
-def _forward_state(cls: type) -> ForwardState:
+def _forward_state(cls: type, called: frozenset[str]) -> ForwardState:
     """:func:`forward_state`, made anew."""
     names: set[str] = set()
     written: dict[int, set[str]] = {}
-    for func in _methods_run(cls):
-        names |= class_written_names(func, cls)
-        by_global = written_names(func.__code__, GLOBAL_WRITES)
-        by_global |= globals_asked(func.__code__).written
+    shapes: dict[int, set[tuple[str, ...]]] = {}
+    surely = _methods_run(cls, any_name=False, called=called)
+    for func in dict.fromkeys([*surely, *_methods_run(cls, called=called)]):
+        asked = globals_asked(func.__code__)
+        by_global = written_names(func.__code__, GLOBAL_WRITES) | asked.written
+        if func in surely:
+            names |= class_written_names(func, cls)
+            shapes.setdefault(id(func.__globals__), set()).update(asked.set_shapes)
+        else:  # a setter beside a pick of any name: what it bumps is the forward's own
+            names |= class_written_names(func, cls) & set(loaded_names(func, cls))
+            by_global &= set(global_names(func.__code__))
         written.setdefault(id(func.__globals__), set()).update(by_global)
-    return ForwardState(frozenset(names), {k: frozenset(v) for k, v in written.items()})
+    return ForwardState(
+        frozenset(names),
+        {k: frozenset(v) for k, v in written.items()},
+        {k: frozenset(v) for k, v in shapes.items()},
+    )
 
 
 def class_written_names(func: Any, cls: type) -> frozenset[str]:

@@ -498,6 +498,330 @@ class ReadsThroughGlobals(TinyConvEncoder):
         return y * globals()["OPTIONS"]["gain"] * globals().get("EXTRA", 1.0)
 
 
+class WarnsOncePerLength(TinyConvEncoder):
+    def forward(self, wav):
+        n = wav.shape[-1]
+        if not globals().get("_warned_" + str(n)):  # its own state, under names made now
+            globals()["_warned_" + str(n)] = True
+            globals()[f"STAT_{n}"] = 0
+        return super().forward(wav) * SCALE
+
+
+GAIN2 = 2.0
+
+
+class PicksAndHasSetters(TinyConvEncoder):
+    mode = "fast"
+    scale = 2.0
+
+    @classmethod
+    def set_scale(cls, s):
+        cls.scale = s  # a setting: forward_fast reads it
+
+    def set_gain(self, g):
+        global GAIN2
+        GAIN2 = g  # a setting: forward_fast reads it
+
+    def describe(self):
+        import os
+        import sys
+
+        return sys.argv, os.environ.get("HOME")  # no forward runs it: nothing here is read
+
+    def forward_fast(self, y):
+        return y * self.scale * GAIN2
+
+    def forward_slow(self, y):
+        return y
+
+    def forward(self, wav):
+        return getattr(self, "forward_" + self.mode)(super().forward(wav))
+
+
+class PicksAnyNameAndHasSetters(PicksAndHasSetters):
+    head = "forward_fast"
+
+    def forward(self, wav):
+        return getattr(self, self.head)(super().forward(wav))
+
+
+class Heads(torch.nn.Module):
+    def fast(self, y):
+        return y * shared.STATE.scale
+
+    def forward(self, y):
+        return y
+
+
+class CallsASubmodulesMethod(TinyConvEncoder):
+    def __init__(self):
+        super().__init__()
+        self.heads = Heads()
+
+    def forward(self, wav):
+        return self.heads.fast(super().forward(wav))
+
+
+class PickedHeads(torch.nn.Module):
+    def fast_head(self, y):
+        return y * shared.STATE.scale
+
+    def slow_head(self, y):
+        return y
+
+    def forward(self, y):
+        return y
+
+
+class PicksOnASubmodule(TinyConvEncoder):
+    mode = "fast"
+
+    def __init__(self):
+        super().__init__()
+        self.heads = PickedHeads()
+
+    def forward(self, wav):
+        return getattr(self.heads, self.mode + "_head")(super().forward(wav))
+
+
+def _picked_head(m, y):
+    return getattr(m, "forward_" + m.mode)(y)
+
+
+class PicksInAHelper(TinyConvEncoder):
+    mode = "fast"
+
+    def forward_fast(self, y):
+        return y * shared.STATE.scale
+
+    def forward(self, wav):
+        return _picked_head(self, super().forward(wav))
+
+
+class HoldsALibraryFunction(TinyConvEncoder):
+    act = torch.sigmoid
+    post = staticmethod(torch.nn.functional.gelu)
+
+    def forward(self, wav):
+        return self.post(self.act(super().forward(wav)))
+
+
+class HasALibraryModule(TinyConvEncoder):
+    def __init__(self):
+        super().__init__()
+        self.post = torch.nn.Hardtanh(-10.0, 10.0)
+
+    def forward(self, wav):
+        return self.post(super().forward(wav))
+
+
+class MyHardtanh(torch.nn.Hardtanh):
+    tag = "mine"
+
+
+class HasASubclassOfALibraryModule(HasALibraryModule):
+    def __init__(self):
+        super().__init__()
+        self.post = MyHardtanh(-10.0, 10.0)
+
+
+class HasAGelu(TinyConvEncoder):
+    def __init__(self):
+        super().__init__()
+        self.post = torch.nn.GELU()
+
+    def forward(self, wav):
+        return self.post(super().forward(wav))
+
+
+class CallsGeluItself(TinyConvEncoder):
+    def forward(self, wav):
+        return torch.nn.functional.gelu(super().forward(wav))
+
+
+def patched_gelu(x, approximate="none"):
+    return x * shared.STATE.scale
+
+
+def patched_gelu_otherwise(x, approximate="none"):
+    return x * 0.5
+
+
+def patched_hardtanh(self, x):
+    return x * shared.STATE.scale
+
+
+def patched_hardtanh_otherwise(self, x):
+    return x * 0.5
+
+
+class HasHeads(TinyConvEncoder):
+    def forward_fast(self, y):
+        return y * shared.STATE.scale
+
+
+class PicksOnItsBaseClass(HasHeads):
+    mode = "fast"
+
+    def forward(self, wav):
+        return getattr(super(), "forward_" + self.mode)(super().forward(wav))
+
+
+SCALE_fast = 2.0
+
+
+class SetsAGlobalByANameBesideAPick(TinyConvEncoder):
+    head = "forward_fast"
+    mode = "fast"
+
+    @classmethod
+    def set_scale(cls, mode, v):
+        globals()["SCALE_" + mode] = v  # a setting, set by a name made at run time
+
+    def forward_fast(self, y):
+        return y * globals()["SCALE_" + self.mode]
+
+    def forward(self, wav):
+        return getattr(self, self.head)(super().forward(wav))
+
+
+class SetsAGlobalByANameWhileTraining(TinyConvEncoder):
+    mode = "fast"
+
+    def forward(self, wav):
+        y = super().forward(wav)
+        if self.training:  # never in eval; the file binds SCALE_fast: a setting all the same
+            globals()["SCALE_" + self.mode] = 1.0
+        return y * globals()["SCALE_" + self.mode]
+
+
+class Stats(torch.nn.Module):
+    last = 0
+
+    def record(self, y):
+        type(self).last = int(y.shape[-1])  # its own state: the parent's forward runs it
+
+    def forward(self, y):
+        return y if self.last >= 0 else -y
+
+
+class RecordsThroughASubmodule(TinyConvEncoder):
+    def __init__(self):
+        super().__init__()
+        self.stats = Stats()
+
+    def forward(self, wav):
+        y = super().forward(wav)
+        self.stats.record(y)
+        return self.stats(y)
+
+
+class Pool(torch.nn.Module):
+    def proj(self, y):  # no forward runs it: what it reads is no setting
+        return y / (y.norm() + shared.STATE.scale)
+
+    def forward(self, y):
+        return y
+
+
+class HasAProjAndAPool(TinyConvEncoder):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Identity()
+        self.pool = Pool()
+
+    def forward(self, wav):
+        return self.pool(self.proj(super().forward(wav)))
+
+
+class TimmLike(TinyConvEncoder):
+    pool = "avg"
+    gain = 1.0
+
+    def forward_head(self, y):
+        return y * 2.0 if self.pool == "avg" else y
+
+    def forward(self, wav):
+        return self.forward_head(super().forward(wav)) * self.gain
+
+
+class ReadsTheEnvironmentThroughALocalImport(TinyConvEncoder):
+    def forward(self, wav):
+        import os
+
+        return super().forward(wav) * float(os.environ.get("FWDGLOBALS_GAIN", "1"))
+
+
+class ReadsTheEnvironmentThroughImportToo(TinyConvEncoder):
+    def forward(self, wav):
+        import os
+
+        gain = float(__import__("os").environ.get("FWDGLOBALS_GAIN2", "1"))
+        return super().forward(wav) * float(os.environ.get("FWDGLOBALS_GAIN", "1")) * gain
+
+
+class PicksThroughAConfig(TinyConvEncoder):
+    cfg = {"mode": "fast"}
+    scale = 2.0
+
+    def forward_fast(self, y):
+        return y * self.scale
+
+    def forward(self, wav):
+        return getattr(self, "forward_" + self.cfg["mode"], None)(super().forward(wav))
+
+
+def configure(g):
+    global GAIN_fast
+    GAIN_fast = g
+
+
+configure(2.0)
+
+
+class ReadsAGlobalByAName(TinyConvEncoder):
+    mode = "fast"
+
+    def forward(self, wav):
+        seen = "seen_" + str(wav.shape[-1])
+        globals()[seen] = True  # its own state, by a name no part of which is known here
+        return super().forward(wav) * globals()["GAIN_" + self.mode]
+
+
+class UpdatableHead(torch.nn.Module):
+    scale = 2.0
+
+    @classmethod
+    def update(cls, s):
+        cls.scale = s  # a setting, though a dict's update shares its name
+
+    def forward(self, y):
+        return y * self.scale
+
+
+class UpdatesADict(TinyConvEncoder):
+    def __init__(self):
+        super().__init__()
+        self.head = UpdatableHead()
+
+    def forward(self, wav):
+        out = {}
+        out.update(y=self.head(super().forward(wav)))
+        return out["y"]
+
+
+class PicksACountingHeadByAnyName(TinyConvEncoder):
+    head = "forward_counted"
+    calls = 0
+
+    def forward_counted(self, y):
+        type(self).calls += 1  # its own state, though only a pick of any name reaches it
+        return y * shared.STATE.scale
+
+    def forward(self, wav):
+        return getattr(self, self.head)(super().forward(wav))
+
+
 class Records(TinyConvEncoder):
     def forward(self, wav):
         global CALLS
@@ -646,6 +970,59 @@ CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
         lambda m: setattr(m, "EXTRA", 3.0),
     ),
     "helper-picked-from-globals-by-a-name-made-at-run-time": ("PicksAHelperByName", _gain),
+    "read-by-a-submodules-method-its-parent-calls": ("CallsASubmodulesMethod", _setting),
+    "class-setting-read-by-a-method-picked-through-a-config": (
+        "PicksThroughAConfig",
+        lambda m: setattr(m.PicksThroughAConfig, "scale", 3.0),
+    ),
+    "global-read-through-globals-by-a-name-a-function-binds": (
+        "ReadsAGlobalByAName",
+        lambda m: m.configure(3.0),
+    ),
+    "class-setting-set-by-a-classmethod-named-as-a-dicts-method": (
+        "UpdatesADict",
+        lambda m: m.UpdatableHead.update(3.0),
+    ),
+    "read-by-a-counting-head-picked-by-any-name": ("PicksACountingHeadByAnyName", _setting),
+    "read-by-a-base-class-method-picked-through-super": ("PicksOnItsBaseClass", _setting),
+    "global-set-by-a-name-by-a-classmethod-beside-a-pick-of-any-name": (
+        "SetsAGlobalByANameBesideAPick",
+        lambda m: m.SetsAGlobalByANameBesideAPick.set_scale("fast", 3.0),
+    ),
+    "global-the-file-binds-though-the-forward-sets-it-by-a-name": (
+        "SetsAGlobalByANameWhileTraining",
+        lambda m: setattr(m, "SCALE_fast", 5.0),
+    ),
+    "library-function-a-class-holds-swapped": (
+        "HoldsALibraryFunction",
+        lambda m: setattr(m.HoldsALibraryFunction, "act", torch.tanh),
+    ),
+    "library-static-method-a-class-holds-swapped": (
+        "HoldsALibraryFunction",
+        lambda m: setattr(m.HoldsALibraryFunction, "post", staticmethod(torch.relu)),
+    ),
+    "read-by-a-submodules-method-picked-by-a-name-made-at-run-time": (
+        "PicksOnASubmodule",
+        _setting,
+    ),
+    "read-by-a-method-a-helper-picks-by-a-name-made-at-run-time": ("PicksInAHelper", _setting),
+    # What a method the forward never runs sets is a setting, not the forward's own state.
+    "class-setting-set-by-a-classmethod-beside-a-picked-head": (
+        "PicksAndHasSetters",
+        lambda m: m.PicksAndHasSetters.set_scale(3.0),
+    ),
+    "global-set-by-a-method-beside-a-picked-head": (
+        "PicksAndHasSetters",
+        lambda m: m.PicksAndHasSetters().set_gain(3.0),
+    ),
+    "class-setting-set-by-a-classmethod-beside-a-head-picked-by-any-name": (
+        "PicksAnyNameAndHasSetters",
+        lambda m: m.PicksAnyNameAndHasSetters.set_scale(3.0),
+    ),
+    "global-set-by-a-method-beside-a-head-picked-by-any-name": (
+        "PicksAnyNameAndHasSetters",
+        lambda m: m.PicksAnyNameAndHasSetters().set_gain(3.0),
+    ),
 }
 
 
@@ -748,6 +1125,19 @@ RUN_TIME_PICKS = [
     "ScalesInItsCall",
     "ReadsThroughGlobals",
     "PicksAHelperByName",
+    "WarnsOncePerLength",
+    "PicksAndHasSetters",
+    "CallsASubmodulesMethod",
+    "PicksOnASubmodule",
+    "PicksInAHelper",
+    "HoldsALibraryFunction",
+    "PicksThroughAConfig",
+    "ReadsAGlobalByAName",
+    "UpdatesADict",
+    "PicksACountingHeadByAnyName",
+    "PicksOnItsBaseClass",
+    "RecordsThroughASubmodule",
+    "TimmLike",
 ]
 
 
@@ -774,6 +1164,52 @@ def test_a_forward_read_further_unchanged_keeps_its_key(
     reopened = _baked_then_reopened(audio_dir, module, tmp_path / "d", n=2)  # on_miss="error"
     _assert_live(reopened, module, 2)
     assert from_module(module).fingerprint == before
+
+
+def test_what_a_method_no_picked_name_fits_reads_is_not_keyed(
+    package: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward picking ``"forward_" + self.mode`` runs the methods whose names fit it: what
+    another method of the class reads (``describe`` reading ``sys.argv`` and the
+    environment) is no setting of the forward's; keyed, each command line would be another
+    key and its store encoded again."""
+    module = frozen(package.PicksAndHasSetters())
+    before = from_module(module).fingerprint
+    monkeypatch.setattr(sys, "argv", [*sys.argv, "--another-run"])
+    monkeypatch.setenv("HOME", "/elsewhere")
+    assert from_module(module).fingerprint == before
+
+
+def test_a_submodules_method_no_forward_calls_is_not_read(package: ModuleType) -> None:
+    """``self.proj(y)`` runs the module held as ``proj``, not a method ``proj`` a submodule's
+    class holds: what that method reads is no setting (only ``self.<sub>.<name>(...)`` runs a
+    submodule's method by name); and the forward's rows come in the order its code reaches
+    them, its own forward first, as before (a store built before keeps its keys)."""
+    module = frozen(package.HasAProjAndAPool())
+    before = from_module(module).fingerprint
+    package.shared.STATE.scale = 3.0
+    assert from_module(module).fingerprint == before
+    rows = forward_globals(frozen(package.TimmLike()), exact=True)
+    assert rows.index("TimmLike.forward@") < rows.index("TimmLike.forward_head@")
+
+
+def test_a_local_import_reads_the_variables_named_alone(
+    package: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward importing ``os`` in its body and reading ``os.environ.get("GAIN")`` is keyed
+    by that variable, as one importing it at the file's top is: every variable keyed, a
+    ``RANK`` or ``CUDA_VISIBLE_DEVICES`` set by the launcher made each run another key."""
+    monkeypatch.delenv("FWDGLOBALS_GAIN", raising=False)
+    module = frozen(package.ReadsTheEnvironmentThroughALocalImport())
+    before = from_module(module).fingerprint
+    monkeypatch.setenv("FWDGLOBALS_RANK", "3")
+    assert from_module(module).fingerprint == before
+    monkeypatch.setenv("FWDGLOBALS_GAIN", "2")
+    assert from_module(module).fingerprint != before
+    beside = frozen(package.ReadsTheEnvironmentThroughImportToo())
+    before = from_module(beside).fingerprint
+    monkeypatch.setenv("FWDGLOBALS_GAIN2", "2")  # read through __import__("os"): read whole
+    assert from_module(beside).fingerprint != before
 
 
 @pytest.mark.parametrize(
@@ -806,6 +1242,82 @@ def test_a_library_function_bound_as_the_file_binds_it_keeps_the_identity_it_had
     whisper = package.AttendsAsWhisperDoes().eval()  # try/except import, a held F.silu
     assert forward_globals(whisper, exact=True) == ""
     assert "silu" not in module_identity(whisper)
+
+
+def test_a_library_function_a_class_body_binds_keeps_the_identity_it_had(
+    package: ModuleType,
+) -> None:
+    """``act = torch.sigmoid`` in a class body is the code's own choice, keyed by its
+    source: no row, as before (a store built before is served); one set on the class since
+    (``Block.act = torch.tanh``) is read by the function it names. ``staticmethod(F.gelu)``
+    in the body is read as its function."""
+    assert forward_globals(package.HoldsALibraryFunction().eval(), exact=True) == ""
+    package.HoldsALibraryFunction.act = torch.tanh
+    assert "act=<torch." in forward_globals(package.HoldsALibraryFunction().eval(), exact=True)
+
+
+@pytest.mark.parametrize("holder", ["HasALibraryModule", "HasASubclassOfALibraryModule"])
+@pytest.mark.parametrize("change", ["patched-otherwise", "setting-the-patch-reads", "unpatched"])
+def test_a_library_class_patched_with_the_users_function_is_not_served_stale(
+    package: ModuleType,
+    tmp_path: Path,
+    audio_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    change: str,
+    holder: str,
+) -> None:
+    """``nn.Hardtanh.forward = patched`` (as a faster attention is patched into a library's
+    class): what the library runs is the user's function, keyed by its code and what it reads;
+    a dataset after the patch is replaced, a setting it reads changed, or the patch undone
+    serves what the module returns now (each served the first run's features), the user's
+    subclass of it too. Unpatched, the library's class keeps the key it had."""
+    module = getattr(package, holder)().eval()
+    unpatched = from_module(module).fingerprint
+    monkeypatch.setattr(torch.nn.Hardtanh, "forward", package.patched_hardtanh)
+    assert from_module(module).fingerprint != unpatched
+
+    def changed() -> None:
+        if change == "patched-otherwise":
+            torch.nn.Hardtanh.forward = package.patched_hardtanh_otherwise
+        elif change == "setting-the-patch-reads":
+            package.shared.STATE.scale = 3.0
+        else:
+            monkeypatch.undo()
+
+    _served_live_after(audio_dir, module, tmp_path, changed)
+    monkeypatch.undo()
+    assert from_module(module).fingerprint == unpatched
+
+
+@pytest.mark.parametrize("caller", ["HasAGelu", "CallsGeluItself"])
+@pytest.mark.parametrize("change", ["patched-otherwise", "setting-the-patch-reads", "unpatched"])
+def test_a_library_function_patched_with_the_users_is_not_served_stale(
+    package: ModuleType,
+    tmp_path: Path,
+    audio_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    change: str,
+    caller: str,
+) -> None:
+    """``F.gelu = my_gelu``, called by ``nn.GELU``'s forward or by the user's own: keyed by
+    the user's function's code and what it reads, as a patched class is; unpatched, the key
+    it had."""
+    module = getattr(package, caller)().eval()
+    unpatched = from_module(module).fingerprint
+    monkeypatch.setattr(torch.nn.functional, "gelu", package.patched_gelu)
+    assert from_module(module).fingerprint != unpatched
+
+    def changed() -> None:
+        if change == "patched-otherwise":
+            torch.nn.functional.gelu = package.patched_gelu_otherwise
+        elif change == "setting-the-patch-reads":
+            package.shared.STATE.scale = 3.0
+        else:
+            monkeypatch.undo()
+
+    _served_live_after(audio_dir, module, tmp_path, changed)
+    monkeypatch.undo()
+    assert from_module(module).fingerprint == unpatched
 
 
 def test_a_class_whose_bases_are_set_anew_is_keyed_again(package: ModuleType) -> None:
