@@ -201,8 +201,18 @@ def test_do_lower_case_lowercases_as_sentence_transformers(texts: Path, tmp_path
     )
 
 
-def test_cli_builds_sentence_embedding_alone(bert: Path, texts: Path, tmp_path: Path) -> None:
-    folder = save_sentence_model(tmp_path / "cli", bert, "mean", dense=8)
+@pytest.mark.parametrize("layout", ["top-level", "older"])
+def test_cli_builds_sentence_embedding_alone(
+    bert: Path, texts: Path, tmp_path: Path, layout: str
+) -> None:
+    """``featbake build --output sentence_embedding`` of a folder as sentence-transformers
+    saves it (with a Dense module), and of one in the older layout (``0_Transformer/``), each
+    served equal to ``SentenceTransformer.encode`` run now."""
+    if layout == "older":
+        folder = save_sentence_model(tmp_path / "old-cli", bert, "mean")
+        older_layout(folder)
+    else:
+        folder = save_sentence_model(tmp_path / "cli", bert, "mean", dense=8)
     store = tmp_path / "store"
     result = run_cli(
         "build", "--encoder", folder, "--data", texts, "--cache", store, "--source", "text",
@@ -340,26 +350,6 @@ def test_a_transformer_in_0_transformer_equals_sentence_transformers_and_is_keye
     assert load_encoder(folder).fingerprint != before
     ds = built_and_served(folder, texts, store)
     assert_sentence_embeddings_equal(ds, folder)
-
-
-def test_cli_builds_a_folder_of_the_older_layout(bert: Path, texts: Path, tmp_path: Path) -> None:
-    folder = save_sentence_model(tmp_path / "old-cli", bert, "mean")
-    older_layout(folder)
-    store = tmp_path / "store"
-    result = run_cli(
-        "build", "--encoder", folder, "--data", texts, "--cache", store, "--source", "text",
-        "--output", SENTENCE_EMBEDDING, "--json",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["encoded"] == len(TEXTS) + 1
-    ds = CachedFeatureDataset(
-        texts, encoder=folder, cache=store, on_miss="error",
-        recipe=Recipe(source="text", output=SENTENCE_EMBEDDING),
-    )  # fmt: skip
-    said = [Path(ds.path(i)).read_text(encoding="utf-8") for i in range(len(ds))]
-    want = sentence_transformers_now(folder, said)
-    for i in range(len(ds)):
-        torch.testing.assert_close(ds[i], want[i], atol=ATOL, rtol=0)
 
 
 # == prompts and truncate_dim ======================================================================

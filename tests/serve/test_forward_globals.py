@@ -25,7 +25,10 @@ from featbake.encode.identity import forward_globals, module_identity
 from featbake.serve.cached_encoder import CachedEncoder
 from featbake.testing import TinyConvEncoder
 from tests.serve.test_cached_encoder import frozen, waves
-from tests.serve.test_held_attributes import served_live_by_an_open_cached_encoder
+from tests.serve.test_held_attributes import (
+    assert_a_second_pass_hits,
+    served_live_by_an_open_cached_encoder,
+)
 from tests.serve.test_watch_keys import (
     _assert_live,
     _baked_then_reopened,
@@ -1153,13 +1156,7 @@ def test_a_forward_read_further_unchanged_keeps_its_key(
     hits and a dataset reopened with ``on_miss="error"`` serves every item from the store."""
     module = frozen(getattr(package, name)())
     before = from_module(module).fingerprint
-    x = waves(3)
-    ids = [f"utt{i}" for i in range(3)]
-    cached = CachedEncoder(module, cache=tmp_path / "c", ram_cache=0)
-    cached(x, ids=ids)
-    cached(x, ids=ids)
-    info = cached.cache_info()
-    assert info["encoded"] == 3 and sum(v for k, v in info.items() if k.startswith("hits_")) == 3
+    assert_a_second_pass_hits(module, tmp_path / "c")
     assert from_module(module).fingerprint == before
     reopened = _baked_then_reopened(audio_dir, module, tmp_path / "d", n=2)  # on_miss="error"
     _assert_live(reopened, module, 2)
@@ -1256,60 +1253,51 @@ def test_a_library_function_a_class_body_binds_keeps_the_identity_it_had(
     assert "act=<torch." in forward_globals(package.HoldsALibraryFunction().eval(), exact=True)
 
 
-@pytest.mark.parametrize("holder", ["HasALibraryModule", "HasASubclassOfALibraryModule"])
+#: Each case: what a script patches with the user's function (an object and a name), the
+#: function it sets and the one set in its place later, and the module whose forward runs it.
+PATCHES: dict[str, tuple[Any, str, str, str, str]] = {
+    # As a faster attention is patched into a library's class: the user's subclass too.
+    "library-class-method": (
+        torch.nn.Hardtanh, "forward", "patched_hardtanh", "patched_hardtanh_otherwise",
+        "HasALibraryModule",
+    ),
+    "library-class-method-under-the-users-subclass": (
+        torch.nn.Hardtanh, "forward", "patched_hardtanh", "patched_hardtanh_otherwise",
+        "HasASubclassOfALibraryModule",
+    ),
+    # F.gelu = my_gelu, called by nn.GELU's forward or by the user's own.
+    "library-function-a-library-forward-calls": (
+        torch.nn.functional, "gelu", "patched_gelu", "patched_gelu_otherwise", "HasAGelu",
+    ),
+    "library-function-the-users-forward-calls": (
+        torch.nn.functional, "gelu", "patched_gelu", "patched_gelu_otherwise", "CallsGeluItself",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("patch", list(PATCHES))
 @pytest.mark.parametrize("change", ["patched-otherwise", "setting-the-patch-reads", "unpatched"])
-def test_a_library_class_patched_with_the_users_function_is_not_served_stale(
+def test_a_library_patched_with_the_users_function_is_not_served_stale(
     package: ModuleType,
     tmp_path: Path,
     audio_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
     change: str,
-    holder: str,
+    patch: str,
 ) -> None:
-    """``nn.Hardtanh.forward = patched`` (as a faster attention is patched into a library's
-    class): what the library runs is the user's function, keyed by its code and what it reads;
-    a dataset after the patch is replaced, a setting it reads changed, or the patch undone
-    serves what the module returns now (each served the first run's features), the user's
-    subclass of it too. Unpatched, the library's class keeps the key it had."""
+    """What the library runs is the user's function, keyed by its code and what it reads: a
+    dataset after the patch is replaced, a setting it reads changed, or the patch undone
+    serves what the module returns now (each served the first run's features). Unpatched,
+    the library keeps the key it had."""
+    owner, name, first, otherwise, holder = PATCHES[patch]
     module = getattr(package, holder)().eval()
     unpatched = from_module(module).fingerprint
-    monkeypatch.setattr(torch.nn.Hardtanh, "forward", package.patched_hardtanh)
+    monkeypatch.setattr(owner, name, getattr(package, first))
     assert from_module(module).fingerprint != unpatched
 
     def changed() -> None:
         if change == "patched-otherwise":
-            torch.nn.Hardtanh.forward = package.patched_hardtanh_otherwise
-        elif change == "setting-the-patch-reads":
-            package.shared.STATE.scale = 3.0
-        else:
-            monkeypatch.undo()
-
-    _served_live_after(audio_dir, module, tmp_path, changed)
-    monkeypatch.undo()
-    assert from_module(module).fingerprint == unpatched
-
-
-@pytest.mark.parametrize("caller", ["HasAGelu", "CallsGeluItself"])
-@pytest.mark.parametrize("change", ["patched-otherwise", "setting-the-patch-reads", "unpatched"])
-def test_a_library_function_patched_with_the_users_is_not_served_stale(
-    package: ModuleType,
-    tmp_path: Path,
-    audio_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    change: str,
-    caller: str,
-) -> None:
-    """``F.gelu = my_gelu``, called by ``nn.GELU``'s forward or by the user's own: keyed by
-    the user's function's code and what it reads, as a patched class is; unpatched, the key
-    it had."""
-    module = getattr(package, caller)().eval()
-    unpatched = from_module(module).fingerprint
-    monkeypatch.setattr(torch.nn.functional, "gelu", package.patched_gelu)
-    assert from_module(module).fingerprint != unpatched
-
-    def changed() -> None:
-        if change == "patched-otherwise":
-            torch.nn.functional.gelu = package.patched_gelu_otherwise
+            setattr(owner, name, getattr(package, otherwise))
         elif change == "setting-the-patch-reads":
             package.shared.STATE.scale = 3.0
         else:

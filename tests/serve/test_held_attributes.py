@@ -274,15 +274,21 @@ def test_an_unchanged_held_setting_serves_hits(tmp_path: Path, audio_dir: Path, 
     """r16.3: no needless miss: a second pass of one ``CachedEncoder`` reads every row from the
     store (RAM tier off), and a dataset reopened with ``on_miss="error"`` serves them."""
     module = frozen(cls())
+    assert_a_second_pass_hits(module, tmp_path / "c")
+    reopened = _baked_then_reopened(audio_dir, module, tmp_path / "d", n=2)  # on_miss="error"
+    _assert_live(reopened, module, 2)
+
+
+def assert_a_second_pass_hits(module: torch.nn.Module, cache: Path) -> None:
+    """A ``CachedEncoder`` over ``module`` on the store ``cache`` (RAM tier off) encodes three
+    items on a first pass and reads every one from the store on a second."""
     x = waves(3)
     ids = [f"utt{i}" for i in range(3)]
-    cached = CachedEncoder(module, cache=tmp_path / "c", ram_cache=0)
+    cached = CachedEncoder(module, cache=cache, ram_cache=0)
     cached(x, ids=ids)
     cached(x, ids=ids)
     info = cached.cache_info()
     assert info["encoded"] == 3 and sum(v for k, v in info.items() if k.startswith("hits_")) == 3
-    reopened = _baked_then_reopened(audio_dir, module, tmp_path / "d", n=2)  # on_miss="error"
-    _assert_live(reopened, module, 2)
 
 
 class _RecordsIntoALog(_DictSettings):
