@@ -1297,7 +1297,7 @@ class RunTimePicks:
     ``"forward_" + self.mode``, ``("_", "_head")`` for ``f"_{self.kind}_head"``), ``()``
     where no part is known (``getattr(self, name)``): any name fits that one; ``held``, those
     of the names picked on an object it holds (``getattr(self.heads, "fast_" + mode)``),
-    whose class, in the module's tree, runs the methods that fit (:func:`called_names`).
+    whose class, in the module's tree, runs the methods that fit (:func:`calls_in`).
     False where none is picked."""
 
     shapes: frozenset[tuple[str, ...]] = frozenset()
@@ -3437,43 +3437,65 @@ def forward_functions(module: Any) -> tuple[tuple[type, Any], ...]:
     of the class it reaches by name (:func:`reached_methods`: ``self.scale(x)``), and the
     ``forward`` of each base class of the user's (``super().forward(x)``) with what it reaches,
     each ``(class, function)`` once, in the tree's order; then a method of a submodule's class
-    another class's code calls (``self.heads.fast(y)``: :func:`called_names`), in the order
-    found. A function of the user's set on a library's class (``nn.Linear.forward =
+    another class's code calls (``self.heads.fast(y)``, ``b.custom(y)``: :func:`calls_in`),
+    in the order found. A function of the user's set on a library's class (``nn.Linear.forward =
     patched``: :func:`library_patches`) is read with each class of the tree it reaches. An
     instance's own ``forward`` is read otherwise (refused while it differs)."""
     subs = list(module.modules()) if hasattr(module, "modules") else [module]
     every = list(dict.fromkeys(type(sub) for sub in subs))
     classes = [cls for cls in every if not is_library_code(cls)]
     found: dict[tuple[type, Any], None] = {}
-    called: frozenset[str] = frozenset()
+    calls = Calls({}, frozenset())
     while True:
         for cls in classes:
-            for f in _methods_run(cls, called=called):
+            for f in _methods_run(cls, called=calls.names(cls)):
                 found.setdefault((cls, f), None)
-        more = called_names(found)
+        more = calls_in(subs, found)
         picked = [picks_at_run_time(f, c).held for c, f in found if not is_library_code(f)]
         if any(picked):  # getattr(self.heads, "fast_" + mode): heads' class runs fast_*
             shapes = frozenset().union(*picked)
-            more |= {n for cls in classes for n in _fitting(own_names(cls), shapes, True)}
-        if more <= called:
+            held = {n for cls in classes for n in _fitting(own_names(cls), shapes, True)}
+            more = Calls(more.surely, more.maybe | held)
+        if all(more.names(cls) <= calls.names(cls) for cls in classes):
             break
-        called |= more
+        calls = more
+    read: dict[type, tuple[Any, ...]] = {}  # each library class read once a key
     for cls in every:
-        for f in library_patches(cls):
+        for f in library_patches(cls, read):
             found.setdefault((cls, f), None)
     return tuple(found)
 
 
-def library_patches(cls: type) -> tuple[Any, ...]:
+def library_patches(cls: type, read: dict[type, tuple[Any, ...]] | None = None) -> tuple[Any, ...]:
     """The functions of the user's the library's classes in ``cls``'s MRO hold
     (:func:`functions_held`: ``nn.Linear.forward = patched``, a transformers attention's
     forward replaced by the user's), with the methods of ``cls`` each reaches, and those its
     library forward calls through a module (:func:`functions_patched_in`): what the library
     runs is the user's code there, which the library's version does not answer for (keyed
-    by its code and what it reads, :func:`forward_reads`)."""
-    held = [f for k in cls.__mro__ if is_library_code(k) for f in _patched_on(k)]
+    by its code and what it reads, :func:`forward_reads`). ``read``: what each library class
+    was found to hold in this reading, kept there."""
+    read = {} if read is None else read
+    for k in _library_bases(cls):
+        if k not in read:
+            read[k] = _patched_on(k)
+    held = [f for k in _library_bases(cls) for f in read[k]]
     reached = dict.fromkeys(m for f in held for m in reached_methods(f, cls))
     return tuple(dict.fromkeys([*reached, *functions_patched_in(cls)]))
+
+
+def _library_bases(cls: type) -> tuple[type, ...]:
+    """The library's classes in ``cls``'s MRO but ``object`` (which no script patches),
+    kept per class."""
+    return kept_per_object(
+        _LIBRARY_BASES,
+        (cls,),
+        cls.__mro__,
+        lambda: tuple(k for k in cls.__mro__ if k is not object and is_library_code(k)),
+    )
+
+
+#: _library_bases's, by class and MRO (:func:`kept_per_object`).
+_LIBRARY_BASES: dict[Any, Any] = {}
 
 
 def _patched_on(k: type) -> tuple[Any, ...]:
@@ -3481,7 +3503,7 @@ def _patched_on(k: type) -> tuple[Any, ...]:
     the ids of what it holds (one class read once however many classes of the tree it is a
     base of)."""
     state = tuple(map(id, vars(k).values()))
-    return kept_per_object(_PATCHES, (k,), state, lambda: _patched_found(k))
+    return kept_per_object(_PATCHES, (k,), state, lambda: _patched_found(k))  # ~2 us a class
 
 
 #: _patched_on's, by class and state (:func:`kept_per_object`).
@@ -3506,18 +3528,31 @@ def functions_patched_in(cls: type) -> tuple[Any, ...]:
     forward = inspect.getattr_static(cls, "forward", None)
     if type(forward) is not types.FunctionType or not is_library_code(forward):
         return ()
-    found = forward.__globals__
-    values = [found.get(g) for g in global_names(forward.__code__)]
-    for g, chain in attribute_chains(forward.__code__):
-        value = found.get(g)
-        for part in chain:
-            if not isinstance(value, types.ModuleType):
-                break
-            value = vars(value).get(part)
-        values.append(value)
+    places = kept_per_object(_PLACES, (forward.__code__,), None, lambda: _places_read(forward))
+    values = (where.get(name) for where, name in places)
     return tuple(
         dict.fromkeys(v for v in values if type(v) is types.FunctionType and is_own_code(v))
     )
+
+
+#: _places_read's, by code object (:func:`kept_per_object`).
+_PLACES: dict[Any, Any] = {}
+
+
+def _places_read(func: Any) -> tuple[tuple[Mapping[str, Any], str], ...]:
+    """Where the library function ``func`` reads what it calls, as ``(namespace, name)``: its
+    globals, and the module each chain of attributes it reads through modules ends in
+    (``F.gelu``: torch.nn.functional's namespace and ``"gelu"``); read again at each key."""
+    found = func.__globals__
+    places: list[tuple[Mapping[str, Any], str]] = [(found, g) for g in global_names(func.__code__)]
+    for g, chain in attribute_chains(func.__code__):
+        where, value = found, found.get(g)
+        for part in chain:
+            if not isinstance(value, types.ModuleType):
+                break
+            where, value = vars(value), vars(value).get(part)
+            places.append((where, part))
+    return tuple(places)
 
 
 def patched_in_library(base: str, value: Any, chain: tuple[str, ...]) -> tuple[str, Any]:
@@ -3531,37 +3566,110 @@ def patched_in_library(base: str, value: Any, chain: tuple[str, ...]) -> tuple[s
             break
         value = vars(value).get(part)
         parts.append(part)
-    own = type(value) is types.FunctionType and is_own_code(value)
-    return ".".join(parts), value if own else None
+    own = len(parts) > 1 and type(value) is types.FunctionType and is_own_code(value)
+    return ".".join(parts), value if own else None  # act.__name__: a global read as one
 
 
-def called_names(functions: Iterable[tuple[type, Any]]) -> frozenset[str]:
-    """The names the user's functions among ``functions`` call methods of a submodule by
-    (``fast`` for ``self.heads.fast(y)``: an attribute of an attribute of the first
-    argument): the methods of that name a class of the tree holds run, a submodule's
-    ``fast`` run by its parent's forward. Kept per code object."""
-    return frozenset(
-        n
-        for _, f in functions
+@dataclass(frozen=True)
+class Calls:
+    """The methods of a module tree's classes that another class's code calls by name:
+    ``surely``, by class, where the call names the submodule it runs on (``self.heads.fast(y)``,
+    ``self.blocks[0].fast(y)``: run as surely as the forward's own methods); ``maybe`` where
+    it is made on a value whose class no reading knows (``for b in self.blocks:
+    b.custom(y)``, ``out.update(...)``): any class's method of that name is read, but only what
+    it bumps is the forward's own state (a ``Head.update`` classmethod setting ``cls.scale``
+    beside a dict's ``update`` is a setter)."""
+
+    surely: Mapping[type, frozenset[str]]
+    maybe: frozenset[str]
+
+    def names(self, cls: type) -> frozenset[str]:
+        """The names ``cls``'s methods may be called by."""
+        return self.surely.get(cls, frozenset()) | self.maybe
+
+
+def calls_in(subs: Iterable[Any], functions: Iterable[tuple[type, Any]]) -> Calls:
+    """:class:`Calls` of the user's functions among ``functions`` (``(class, function)``),
+    over the modules of the tree ``subs``: a call on ``self.<sub>`` is resolved to the class of
+    what each instance of the calling class holds there (and of its children, where that is
+    a library's container: ``nn.ModuleList``, ``nn.Sequential``)."""
+    surely: dict[type, set[str]] = {}
+    maybe: set[str] = set()
+    sites = {
+        (cls, site)
+        for cls, f in functions
         if not is_library_code(f)
-        for n in kept_per_object(_CALLED, (f.__code__,), None, lambda f=f: _called_by(f))
-    )
+        for site in kept_per_object(_CALLED, (f.__code__,), None, lambda f=f: _call_sites(f))
+    }
+    instances = [s for s in subs if hasattr(s, "__dict__")]
+    for cls, (sub, name) in sites:
+        if not sub:
+            maybe.add(name)
+            continue
+        for inst in (s for s in instances if type(s) is cls):
+            for held in _held_as(inst, sub):
+                surely.setdefault(type(held), set()).add(name)
+    return Calls({k: frozenset(v) for k, v in surely.items()}, frozenset(maybe))
 
 
-#: called_names's, by code object (:func:`kept_per_object`).
+def _held_as(inst: Any, sub: str) -> list[Any]:
+    """What ``inst`` holds as ``sub`` (a submodule or a plain attribute), with its children
+    where it is a library's container of modules."""
+    modules = vars(inst).get("_modules") or {}
+    held = modules.get(sub) if sub in modules else vars(inst).get(sub)
+    if held is None:
+        return []
+    children = list(held.children()) if hasattr(held, "children") else []
+    return [held, *children] if is_library_code(type(held)) else [held]
+
+
+#: calls_in's call sites, by code object (:func:`kept_per_object`).
 _CALLED: dict[Any, Any] = {}
 
 
-def _called_by(func: Any) -> frozenset[str]:
-    """:func:`called_names` of one function, made anew."""
-    names: set[str] = set()
+def _call_sites(func: Any) -> frozenset[tuple[str, str]]:
+    """The methods ``func``'s code calls on another object than its own, as ``(submodule,
+    name)``: ``("heads", "fast")`` for ``self.heads.fast(y)`` and ``self.heads[0].fast(y)``,
+    ``("", "custom")`` where the object is not an attribute of the first argument
+    (``b.custom(y)``)."""
+    found: set[tuple[str, str]] = set()
     for code in reached_code(func.__code__, None):
         ins = list(dis.get_instructions(code))
-        for i in range(len(ins) - 2):
-            if _own_object_end(code, ins, i) == i + 1 and ins[i + 1].opname in _METHOD_LOADS:
-                after = ins[i + 2]
-                names |= {str(after.argval)} if after.opname in _METHOD_LOADS else set()
-    return frozenset(names)
+        for i, op in enumerate(ins):
+            if not _calls_a_method(op):
+                continue
+            sub = _submodule_before(code, ins, i)
+            if sub is not None or not _loads_own_object_at(code, ins, i - 1):
+                found.add((sub or "", str(op.argval)))
+    return frozenset(found)
+
+
+def _calls_a_method(op: Any) -> bool:
+    """Whether ``op`` loads a method to call it (3.11's ``LOAD_METHOD``; from 3.12 a
+    ``LOAD_ATTR`` with its method flag)."""
+    if op.opname == "LOAD_METHOD":
+        return True
+    return sys.version_info >= (3, 12) and op.opname == "LOAD_ATTR" and bool(op.arg & 1)
+
+
+def _submodule_before(code: Any, ins: list[Any], i: int) -> str | None:
+    """The attribute of the first argument the method loaded at ``ins[i]`` is called on
+    (``self.heads.fast``, ``self.heads[0].fast``: ``"heads"``), or None."""
+    for start, subscripted in ((i - 2, False), (i - 4, True)):
+        if start < 0 or _own_object_end(code, ins, start) != start + 1:
+            continue
+        if ins[start + 1].opname not in _METHOD_LOADS or ins[start + 1].argval == "__class__":
+            continue
+        if not subscripted or (
+            ins[start + 2].opname == "LOAD_CONST" and ins[start + 3].opname == "BINARY_SUBSCR"
+        ):
+            return str(ins[start + 1].argval)
+    return None
+
+
+def _loads_own_object_at(code: Any, ins: list[Any], j: int) -> bool:
+    """Whether ``ins[j]`` loads the code's object or class (``self.fast(y)``: its own)."""
+    return j >= 0 and _own_object_end(code, ins, j) == j + 1
 
 
 def _methods_run(
@@ -3580,7 +3688,7 @@ def _methods_run(
     holds (:func:`functions_held`); the methods of the user's classes whose names fit one
     asked for by a name made at run time (:func:`picks_at_run_time`; with ``any_name``
     false, not those a pick of any name alone reaches); those named ``called`` (run by
-    another class's code: :func:`called_names`). Kept per class and :func:`class_layout`."""
+    another class's code: :func:`calls_in`). Kept per class and :func:`class_layout`."""
     state = (class_layout(cls), _own_callables(cls))
     extra = (state, any_name, called)
     return list(kept_per_object(_RUN, (cls,), extra, lambda: _methods_found(cls, any_name, called)))
@@ -3821,9 +3929,11 @@ def forward_reads(
     rows = []
     read_before: set[Any] = set()
     functions = tuple(functions)
-    called = called_names(functions)
+    calls = calls_in(module.modules() if hasattr(module, "modules") else [module], functions)
     classes = dict.fromkeys(cls for cls, _ in functions)
-    states = {cls: forward_state(cls, called) for cls in classes}
+    states = {
+        cls: forward_state(cls, calls.surely.get(cls, frozenset()), calls.maybe) for cls in classes
+    }
     for cls, func in functions:
         refused = len(reading.refused)
         reading.globals_written = states[cls].globals_written
@@ -3854,9 +3964,8 @@ class ForwardState:
     setting: keyed, each run would change the key. Of a method only a pick of any name
     reaches (``getattr(self, self.head)`` beside a ``set_scale`` classmethod), only what it
     bumps or records into (``type(self).calls += 1``) is its own: what it sets plainly
-    (``cls.scale = s``, ``globals()["SCALE_" + mode] = v``) is a setting, read and keyed.
-    ``called``: the names another class's code calls a submodule's methods by
-    (:func:`called_names`), run as surely as the forward's own."""
+    (``cls.scale = s``, ``globals()["SCALE_" + mode] = v``) is a setting, read and keyed;
+    so of a method called by name on a value of no known class (:attr:`Calls.maybe`)."""
 
     class_written: frozenset[str]
     globals_written: dict[int, frozenset[str]]
@@ -3865,34 +3974,39 @@ class ForwardState:
     globals_set_shapes: dict[int, frozenset[tuple[str, ...]]] = field(default_factory=dict)
 
 
-def forward_state(cls: type, called: frozenset[str] = frozenset()) -> ForwardState:
-    """:class:`ForwardState` of ``cls`` (``called``: the names another class's code runs
-    methods of, :func:`called_names`), kept per class, layout and methods held (as
-    :func:`_methods_run`)."""
+def forward_state(
+    cls: type, called: frozenset[str] = frozenset(), maybe: frozenset[str] = frozenset()
+) -> ForwardState:
+    """:class:`ForwardState` of ``cls`` (``called`` and ``maybe``: the names another class's
+    code calls its methods by surely and maybe, :class:`Calls`), kept per class, layout and
+    methods held (as :func:`_methods_run`)."""
     state = (class_layout(cls), _own_callables(cls))
-    extra = (state, called)
-    return kept_per_object(_FORWARD_STATE, (cls,), extra, lambda: _forward_state(cls, called))
+    extra = (state, called, maybe)
+    make = lambda: _forward_state(cls, called, maybe)  # noqa: E731
+    return kept_per_object(_FORWARD_STATE, (cls,), extra, make)
 
 
 #: forward_state's, by class and state (:func:`kept_per_object`).
 _FORWARD_STATE: dict[Any, Any] = {}
 
 
-def _forward_state(cls: type, called: frozenset[str]) -> ForwardState:
+def _forward_state(cls: type, called: frozenset[str], maybe: frozenset[str]) -> ForwardState:
     """:func:`forward_state`, made anew."""
     names: set[str] = set()
     written: dict[int, set[str]] = {}
     shapes: dict[int, set[tuple[str, ...]]] = {}
     surely = _methods_run(cls, any_name=False, called=called)
-    for func in dict.fromkeys([*surely, *_methods_run(cls, called=called)]):
+    for func in dict.fromkeys([*surely, *_methods_run(cls, called=called | maybe)]):
         asked = globals_asked(func.__code__)
         by_global = written_names(func.__code__, GLOBAL_WRITES) | asked.written
+        set_shapes = asked.set_shapes
         if func in surely:
             names |= class_written_names(func, cls)
-            shapes.setdefault(id(func.__globals__), set()).update(asked.set_shapes)
         else:  # a setter beside a pick of any name: what it bumps is the forward's own
             names |= class_written_names(func, cls) & set(loaded_names(func, cls))
             by_global &= set(global_names(func.__code__))
+            set_shapes = frozenset(s for s in set_shapes if known_part(s))  # "_seen_" + k
+        shapes.setdefault(id(func.__globals__), set()).update(set_shapes)
         written.setdefault(id(func.__globals__), set()).update(by_global)
     return ForwardState(
         frozenset(names),

@@ -748,6 +748,64 @@ class TimmLike(TinyConvEncoder):
         return self.forward_head(super().forward(wav)) * self.gain
 
 
+class Updates(torch.nn.Module):
+    def update(self, y):
+        return None
+
+    def forward(self, y):
+        return y
+
+
+class UpdatesBesideAHeadsSetter(TinyConvEncoder):
+    def __init__(self):
+        super().__init__()
+        self.stats = Updates()
+        self.head = UpdatableHead()
+
+    def forward(self, wav):
+        y = super().forward(wav)
+        self.stats.update(y)  # Updates.update runs, not UpdatableHead.update (a setter)
+        return self.head(y)
+
+
+class Block(torch.nn.Module):
+    def custom(self, y):
+        return y * shared.STATE.scale
+
+    def forward(self, y):
+        return y
+
+
+class RunsItsBlocksMethods(TinyConvEncoder):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+
+    def forward(self, wav):
+        y = super().forward(wav)
+        for b in self.blocks:
+            y = b.custom(y)
+        return self.blocks[0].custom(y)
+
+
+class SeesLengthsInAPickedHead(TinyConvEncoder):
+    head = "fast"
+    act = "SCALE"
+
+    def fast(self, y):
+        globals()["_seen_" + str(y.shape[-1])] = True  # its own state, by a name made now
+        return y
+
+    def forward(self, wav):
+        return getattr(self, self.head)(super().forward(wav)) * globals()[self.act]
+
+
+class ReadsAFunctionsName(TinyConvEncoder):
+    def forward(self, wav):
+        y = super().forward(wav)
+        return gained(y) if gained.__name__ == "gained" else y
+
+
 class ReadsTheEnvironmentThroughALocalImport(TinyConvEncoder):
     def forward(self, wav):
         import os
@@ -988,6 +1046,11 @@ CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
     ),
     "read-by-a-counting-head-picked-by-any-name": ("PicksACountingHeadByAnyName", _setting),
     "read-by-a-base-class-method-picked-through-super": ("PicksOnItsBaseClass", _setting),
+    "class-setting-set-by-a-classmethod-named-as-another-submodules-method": (
+        "UpdatesBesideAHeadsSetter",
+        lambda m: m.UpdatableHead.update(3.0),
+    ),
+    "read-by-methods-called-on-a-module-lists-blocks": ("RunsItsBlocksMethods", _setting),
     "global-set-by-a-name-by-a-classmethod-beside-a-pick-of-any-name": (
         "SetsAGlobalByANameBesideAPick",
         lambda m: m.SetsAGlobalByANameBesideAPick.set_scale("fast", 3.0),
@@ -1141,6 +1204,10 @@ RUN_TIME_PICKS = [
     "PicksOnItsBaseClass",
     "RecordsThroughASubmodule",
     "TimmLike",
+    "UpdatesBesideAHeadsSetter",
+    "RunsItsBlocksMethods",
+    "SeesLengthsInAPickedHead",
+    "ReadsAFunctionsName",
 ]
 
 
@@ -1188,6 +1255,8 @@ def test_a_submodules_method_no_forward_calls_is_not_read(package: ModuleType) -
     assert from_module(module).fingerprint == before
     rows = forward_globals(frozen(package.TimmLike()), exact=True)
     assert rows.index("TimmLike.forward@") < rows.index("TimmLike.forward_head@")
+    rows = forward_globals(frozen(package.ReadsAFunctionsName()), exact=True)
+    assert rows.count("global gained=") == 1  # gained.__name__: the global, read once
 
 
 def test_a_local_import_reads_the_variables_named_alone(
