@@ -314,7 +314,7 @@ def unnamed_past(
     Example:
         >>> held = [Held("a", 1, 0.0), Held("b", 1, 90.0), Held("c", 1, 0.0)]
         >>> unnamed_past(held, str, {"c"}, now=100.0, age=50.0)
-        ([Held(name='a', size=1, modified=0.0)], 1)
+        ([Held(name='a', size=1, modified=0.0, version='')], 1)
     """
     unnamed = [h for h in held if shard(h.name) not in named]
     doomed = [h for h in unnamed if now - h.modified >= age]
