@@ -1308,10 +1308,21 @@ class RunTimePicks:
 
     def names(self, cls: type, *, any_name: bool = True) -> frozenset[str]:
         """The names the user's classes in ``cls``'s MRO hold (:func:`own_names`) that a
-        pick's shape fits; with ``any_name`` false, those of shapes with a known part only
-        (what a pick of any name reaches is read, never taken as the forward's own state:
-        a setter beside it, ``cls.scale = s``, sets a setting)."""
-        return _fitting(own_names(cls), self.shapes, any_name)
+        pick's shape fits; with ``any_name`` false, those of shapes that tell a name apart
+        only (:func:`telling`: what a pick of any name reaches is read, never taken as the
+        forward's own state: a setter beside it, ``cls.scale = s``, sets a setting)."""
+        if any_name:
+            return _fitting(own_names(cls), self.shapes, True)
+        return _fitting(own_names(cls), [s for s in self.shapes if telling(s)], False)
+
+
+def telling(shape: tuple[str, ...]) -> bool:
+    """Whether ``shape`` tells the names it fits apart from others: it begins with a
+    constant holding a letter or digit (``"h_" + k``), or holds one of two (``"forward_"``
+    anywhere); ``f"{a}_{b}"`` (only ``"_"`` known) fits ``set_scale`` as well as ``avg_big``."""
+    head = shape[0] if shape and shape[0] != _ANY_TEXT else ""
+    alnum = [sum(c.isalnum() for c in p) for p in shape if p != _ANY_TEXT]
+    return any(c.isalnum() for c in head) or any(n >= 2 for n in alnum)
 
 
 def _fitting(
@@ -4003,7 +4014,7 @@ def _forward_state(cls: type, called: frozenset[str], maybe: frozenset[str]) -> 
         if func in surely:
             names |= class_written_names(func, cls)
         else:  # a setter beside a pick of any name: what it bumps is the forward's own
-            names |= class_written_names(func, cls) & set(loaded_names(func, cls))
+            names |= class_bumped_names(func, cls)
             by_global &= set(global_names(func.__code__))
             set_shapes = frozenset(s for s in set_shapes if known_part(s))  # "_seen_" + k
         shapes.setdefault(id(func.__globals__), set()).update(set_shapes)
@@ -4030,17 +4041,52 @@ def class_written_names(func: Any, cls: type) -> frozenset[str]:
 _CLASS_WRITTEN: dict[Any, Any] = {}
 
 
-def _class_written(func: Any, cls: type) -> frozenset[str]:
-    """:func:`class_written_names`, made anew."""
+def _class_written(func: Any, cls: type, *, bumped_only: bool = False) -> frozenset[str]:
+    """:func:`class_written_names`, made anew; with ``bumped_only``, only what is recorded
+    into or set to a value computed from its own (:func:`_bumped_at`)."""
     found = func.__globals__
     names: set[str] = set()
     for code in reached_code(func.__code__, cls):
         ins = list(dis.get_instructions(code))
         for j, op in enumerate(ins):
             set_on_class = op.opname in ATTRIBUTE_WRITES and _a_class_at(ins, j, found, cls)
+            if set_on_class and bumped_only and not _bumped_at(ins, j):
+                continue
             if set_on_class or (op.opname in _ATTRIBUTE_READS and records_into(ins, j)):
                 names.add(str(op.argval))
     return frozenset(names)
+
+
+def class_bumped_names(func: Any, cls: type) -> frozenset[str]:
+    """What ``func`` and the methods of ``cls`` it reaches bump on the class
+    (``type(self).calls += 1``, ``cls.n = cls.n + 1``) or record into (a memo dict): a
+    counter or a cache, the forward's own state however the method is reached; a value set
+    plainly (``cls.scale = s``, ``old, cls.scale = cls.scale, s``) is not. Kept per code
+    object and class."""
+    return kept_per_object(
+        _CLASS_BUMPED,
+        (func.__code__, cls),
+        None,
+        lambda: _class_written(func, cls, bumped_only=True),
+    )
+
+
+#: class_bumped_names's, by code object and class (:func:`kept_per_object`).
+_CLASS_BUMPED: dict[Any, Any] = {}
+
+
+def _bumped_at(ins: list[Any], j: int) -> bool:
+    """Whether the attribute set at ``ins[j]`` is set to a value an operator computed from
+    its own (a load of that name, then an operator, with no store between: ``x.n += 1``,
+    ``x.n = x.n * 0.9 + v``)."""
+    name, operated = ins[j].argval, False
+    for op in reversed(ins[:j]):
+        if op.opname.startswith(("STORE_", "POP_", "RETURN_")) or op.opname == "DELETE_ATTR":
+            return False
+        operated = operated or op.opname in ("BINARY_OP", "BINARY_SUBSCR")
+        if op.opname in _ATTRIBUTE_READS and op.argval == name:
+            return operated
+    return False
 
 
 def _a_class_at(ins: list[Any], j: int, found: Mapping[str, Any], cls: type) -> bool:

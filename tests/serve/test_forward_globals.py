@@ -806,6 +806,38 @@ class ReadsAFunctionsName(TinyConvEncoder):
         return gained(y) if gained.__name__ == "gained" else y
 
 
+class PicksByTwoSettings(TinyConvEncoder):
+    kind = "avg"
+    size = "big"
+    scale = 2.0
+
+    @classmethod
+    def set_scale(cls, s):
+        cls.scale = s  # a setting: "_" alone, the pick's only known part, fits its name too
+
+    def avg_big(self, y):
+        return y * self.scale
+
+    def forward(self, wav):
+        return getattr(self, f"{self.kind}_{self.size}")(super().forward(wav))
+
+
+class PicksBesideASetterKeepingTheOldValue(TinyConvEncoder):
+    head = "forward_fast"
+    scale = 2.0
+
+    @classmethod
+    def set_scale(cls, s):
+        old, cls.scale = cls.scale, s  # read, then set plainly: a setting, not a counter
+        return old
+
+    def forward_fast(self, y):
+        return y * self.scale
+
+    def forward(self, wav):
+        return getattr(self, self.head)(super().forward(wav))
+
+
 class ReadsTheEnvironmentThroughALocalImport(TinyConvEncoder):
     def forward(self, wav):
         import os
@@ -1051,6 +1083,14 @@ CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
         lambda m: m.UpdatableHead.update(3.0),
     ),
     "read-by-methods-called-on-a-module-lists-blocks": ("RunsItsBlocksMethods", _setting),
+    "class-setting-set-by-a-classmethod-a-separator-alone-fits": (
+        "PicksByTwoSettings",
+        lambda m: m.PicksByTwoSettings.set_scale(3.0),
+    ),
+    "class-setting-set-by-a-classmethod-keeping-the-old-value": (
+        "PicksBesideASetterKeepingTheOldValue",
+        lambda m: m.PicksBesideASetterKeepingTheOldValue.set_scale(3.0),
+    ),
     "global-set-by-a-name-by-a-classmethod-beside-a-pick-of-any-name": (
         "SetsAGlobalByANameBesideAPick",
         lambda m: m.SetsAGlobalByANameBesideAPick.set_scale("fast", 3.0),
@@ -1208,6 +1248,7 @@ RUN_TIME_PICKS = [
     "RunsItsBlocksMethods",
     "SeesLengthsInAPickedHead",
     "ReadsAFunctionsName",
+    "PicksByTwoSettings",
 ]
 
 
