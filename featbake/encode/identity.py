@@ -3617,21 +3617,25 @@ def calls_in(subs: Iterable[Any], functions: Iterable[tuple[type, Any]]) -> Call
         if not sub:
             maybe.add(name)
             continue
-        for inst in (s for s in instances if type(s) is cls):
-            for held in _held_as(inst, sub):
-                surely.setdefault(type(held), set()).add(name)
+        held = [h for inst in instances if type(inst) is cls for h in _held_as(inst, sub)]
+        for each in held:
+            surely.setdefault(type(each), set()).add(name)
+        if not held:  # a property, a plain list: no reading knows the class
+            maybe.add(name)
     return Calls({k: frozenset(v) for k, v in surely.items()}, frozenset(maybe))
 
 
 def _held_as(inst: Any, sub: str) -> list[Any]:
-    """What ``inst`` holds as ``sub`` (a submodule or a plain attribute), with its children
-    where it is a library's container of modules."""
+    """The modules ``inst`` holds as ``sub`` (a submodule or a plain attribute): it, with its
+    children where it is a container of modules (``nn.ModuleList``, ``nn.Sequential``,
+    ``nn.ModuleDict`` or a subclass: ``self.blocks[0].fast(y)``); nothing where it is no
+    module (a property, a list: the call is read as one on a value of no known class)."""
     modules = vars(inst).get("_modules") or {}
     held = modules.get(sub) if sub in modules else vars(inst).get(sub)
-    if held is None:
+    if not isinstance(held, torch.nn.Module):
         return []
-    children = list(held.children()) if hasattr(held, "children") else []
-    return [held, *children] if is_library_code(type(held)) else [held]
+    containers = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
+    return [held, *held.children()] if isinstance(held, containers) else [held]
 
 
 #: calls_in's call sites, by code object (:func:`kept_per_object`).
@@ -3647,11 +3651,13 @@ def _call_sites(func: Any) -> frozenset[tuple[str, str]]:
     for code in reached_code(func.__code__, None):
         ins = list(dis.get_instructions(code))
         for i, op in enumerate(ins):
-            if not _calls_a_method(op):
+            if op.opname not in _METHOD_LOADS:
                 continue
-            sub = _submodule_before(code, ins, i)
-            if sub is not None or not _loads_own_object_at(code, ins, i - 1):
-                found.add((sub or "", str(op.argval)))
+            sub = _submodule_before(code, ins, i)  # self.blk.custom, called or passed on
+            if sub is not None:
+                found.add((sub, str(op.argval)))
+            elif _calls_a_method(op) and not _loads_own_object_at(code, ins, i - 1):
+                found.add(("", str(op.argval)))
     return frozenset(found)
 
 
@@ -4058,11 +4064,11 @@ def _class_written(func: Any, cls: type, *, bumped_only: bool = False) -> frozen
 
 
 def class_bumped_names(func: Any, cls: type) -> frozenset[str]:
-    """What ``func`` and the methods of ``cls`` it reaches bump on the class
-    (``type(self).calls += 1``, ``cls.n = cls.n + 1``) or record into (a memo dict): a
-    counter or a cache, the forward's own state however the method is reached; a value set
-    plainly (``cls.scale = s``, ``old, cls.scale = cls.scale, s``) is not. Kept per code
-    object and class."""
+    """What ``func`` and the methods of ``cls`` it reaches count on the class
+    (``type(self).calls += 1``, ``cls.n = cls.n + 1``: :func:`_bumped_at`) or record into (a
+    memo dict): a counter or a cache, the forward's own state however the method is reached;
+    a value set otherwise (``cls.scale = s``, ``cls.scale = cls.scale * f``, ``old, cls.scale
+    = cls.scale, s``) is not. Kept per code object and class."""
     return kept_per_object(
         _CLASS_BUMPED,
         (func.__code__, cls),
@@ -4076,16 +4082,18 @@ _CLASS_BUMPED: dict[Any, Any] = {}
 
 
 def _bumped_at(ins: list[Any], j: int) -> bool:
-    """Whether the attribute set at ``ins[j]`` is set to a value an operator computed from
-    its own (a load of that name, then an operator, with no store between: ``x.n += 1``,
-    ``x.n = x.n * 0.9 + v``)."""
-    name, operated = ins[j].argval, False
-    for op in reversed(ins[:j]):
-        if op.opname.startswith(("STORE_", "POP_", "RETURN_")) or op.opname == "DELETE_ATTR":
-            return False
-        operated = operated or op.opname in ("BINARY_OP", "BINARY_SUBSCR")
-        if op.opname in _ATTRIBUTE_READS and op.argval == name:
-            return operated
+    """Whether the attribute set at ``ins[j]`` is a counter: set to its own value plus or
+    minus a constant (``x.n += 1``, ``x.n = x.n - 1``). Anything else set, from its own or
+    not (``cls.scale = cls.scale * f``, a maximum, an average), may be a setter's: a setting,
+    where the method setting it may never run (a pick of any name reaches it)."""
+    before = [op for op in ins[max(0, j - 6) : j] if op.opname not in ("SWAP", "COPY")]
+    ops = [(op.opname, op.argval, op.argrepr) for op in before]
+    for k in range(len(ops) - 2):
+        loaded, constant, operated = ops[k], ops[k + 1], ops[k + 2]
+        if loaded[0] in _ATTRIBUTE_READS and loaded[1] == ins[j].argval:
+            counted = constant[0] == "LOAD_CONST" and isinstance(constant[1], (int, float))
+            if counted and operated[0] == "BINARY_OP" and operated[2] in ("+", "+=", "-", "-="):
+                return True
     return False
 
 

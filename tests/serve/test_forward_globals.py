@@ -838,6 +838,60 @@ class PicksBesideASetterKeepingTheOldValue(TinyConvEncoder):
         return getattr(self, self.head)(super().forward(wav))
 
 
+class Node:
+    def __init__(self):
+        self.children = []  # no module's children: nothing to call
+
+    def visit(self, y):
+        return y
+
+
+class VisitsATree(TinyConvEncoder):
+    def __init__(self):
+        super().__init__()
+        self.tree = Node()
+
+    def forward(self, wav):
+        return self.tree.visit(super().forward(wav))
+
+
+class PassesASubmodulesMethodOn(TinyConvEncoder):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block()])
+        self.block = Block()
+
+    @property
+    def first(self):
+        return self.blocks[0]
+
+    def forward(self, wav):
+        run = self.block.custom  # taken, then called: as checkpoint(self.block.custom, y)
+        return self.first.custom(run(super().forward(wav)))
+
+
+class RescalableHead(torch.nn.Module):
+    scale = 2.0
+
+    @classmethod
+    def update(cls, f):
+        cls.scale = cls.scale * f  # a setter computing from the old value: no counter
+
+    def forward(self, y):
+        return y * self.scale
+
+
+class UpdatesADictBesideARescalableHead(TinyConvEncoder):
+    def __init__(self):
+        super().__init__()
+        self.head = RescalableHead()
+
+    def forward(self, wav):
+        seen = {}
+        seen.update(n=wav.shape[-1])
+        return self.head(super().forward(wav))
+
+
 class ReadsTheEnvironmentThroughALocalImport(TinyConvEncoder):
     def forward(self, wav):
         import os
@@ -1083,6 +1137,14 @@ CHANGES: dict[str, tuple[str, Callable[[ModuleType], Any]]] = {
         lambda m: m.UpdatableHead.update(3.0),
     ),
     "read-by-methods-called-on-a-module-lists-blocks": ("RunsItsBlocksMethods", _setting),
+    "read-by-a-submodules-method-passed-on-or-reached-through-a-property": (
+        "PassesASubmodulesMethodOn",
+        _setting,
+    ),
+    "class-setting-rescaled-by-a-classmethod-named-as-a-dicts-method": (
+        "UpdatesADictBesideARescalableHead",
+        lambda m: m.RescalableHead.update(3.0),
+    ),
     "class-setting-set-by-a-classmethod-a-separator-alone-fits": (
         "PicksByTwoSettings",
         lambda m: m.PicksByTwoSettings.set_scale(3.0),
@@ -1249,6 +1311,8 @@ RUN_TIME_PICKS = [
     "SeesLengthsInAPickedHead",
     "ReadsAFunctionsName",
     "PicksByTwoSettings",
+    "VisitsATree",
+    "PassesASubmodulesMethodOn",
 ]
 
 
