@@ -1646,7 +1646,13 @@ def library_bound_anew(name: str, value: Any, where: Mapping[str, Any] | None) -
         return None
     if _as_the_file_binds(name, value, where):
         return None
-    qualname = getattr(value, "__qualname__", value.__name__)
+    return library_function_text(value)
+
+
+def library_function_text(value: Any) -> str:
+    """A library's function as a key names it: its module and qualified name
+    (``<torch._C._nn.gelu>``)."""
+    qualname = getattr(value, "__qualname__", getattr(value, "__name__", "?"))
     return f"<{getattr(value, '__module__', None) or ''}.{qualname}>"
 
 
@@ -1667,8 +1673,7 @@ def class_library_bound_anew(cls: type, name: str, raw: Any) -> str | None:
         return None
     if class_statically_bound(holder, name) is value:
         return None
-    qualname = getattr(value, "__qualname__", getattr(value, "__name__", "?"))
-    return f"<{getattr(value, '__module__', None) or ''}.{qualname}>"
+    return library_function_text(value)
 
 
 def class_statically_bound(cls: type, name: str) -> Any:
@@ -1697,11 +1702,7 @@ def class_body_bindings(
         for part in qualname.split("."):
             found = [n for n in _top_level(body) if isinstance(n, ast.ClassDef) and n.name == part]
             body = found[0].body if len(found) == 1 else []
-        bound: dict[str, list[tuple[str | None, tuple[str, ...]]]] = {}
-        for node in _top_level(body):
-            for target, source in _bindings(_unwrapped(node)):
-                bound.setdefault(target, []).append(source)
-        kept = _CLASS_BOUND[key] = {k: tuple(v) for k, v in bound.items()}
+        kept = _CLASS_BOUND[key] = _bindings_in(body, unwrap=True)
     return kept
 
 
@@ -1793,21 +1794,38 @@ def bound_in_source(filename: str) -> Mapping[str, tuple[tuple[str | None, tuple
     """
     kept = _BOUND.get(filename)
     if kept is None:
-        bound: dict[str, list[tuple[str | None, tuple[str, ...]]]] = {}
-        for node in _top_level(_module_tree(filename).body):
-            for target, source in _bindings(node):
-                bound.setdefault(target, []).append(source)
-        kept = _BOUND[filename] = {k: tuple(v) for k, v in bound.items()}
+        kept = _BOUND[filename] = _bindings_in(_module_tree(filename).body)
     return kept
+
+
+def _bindings_in(
+    body: list[ast.stmt], unwrap: bool = False
+) -> dict[str, tuple[tuple[str | None, tuple[str, ...]], ...]]:
+    """Each name ``body`` (its ``if``, ``try`` and ``with`` blocks too) binds, with what each
+    binding reads (:func:`_bindings`); ``unwrap``: a ``staticmethod(...)`` read as what it
+    wraps (:func:`_unwrapped`: a class body's)."""
+    bound: dict[str, list[tuple[str | None, tuple[str, ...]]]] = {}
+    for node in _top_level(body):
+        for target, source in _bindings(_unwrapped(node) if unwrap else node):
+            bound.setdefault(target, []).append(source)
+    return {k: tuple(v) for k, v in bound.items()}
 
 
 def _module_tree(filename: str) -> ast.Module:
     """The parsed source of ``filename`` (an empty module where it is not read: none, or no
-    Python)."""
-    try:
-        return ast.parse(Path(filename).read_bytes())
-    except (OSError, SyntaxError, ValueError):
-        return ast.Module(body=[], type_ignores=[])
+    Python), parsed once a process: what each reading of a file's bindings starts from."""
+    tree = _TREES.get(filename)
+    if tree is None:
+        try:
+            tree = ast.parse(Path(filename).read_bytes())
+        except (OSError, SyntaxError, ValueError):
+            tree = ast.Module(body=[], type_ignores=[])
+        _TREES[filename] = tree
+    return tree
+
+
+#: _module_tree's, by file name.
+_TREES: dict[str, ast.Module] = {}
 
 
 #: bound_in_source's, by file name.
@@ -2044,9 +2062,25 @@ def file_bound_names(filename: str, scope: Mapping[str, Any]) -> frozenset[str]:
     """The globals the file ``filename`` binds by its own statements: at its top level (an
     assignment, a ``for`` target, a walrus, an import, a ``def`` or ``class``), by a ``global``
     statement anywhere, and the public names of each module it imports ``*`` from (resolved
-    in its globals ``scope``); empty for a file not read."""
-    tree = _module_tree(filename)
+    in its globals ``scope``); empty for a file not read. The file is read once a process
+    (as :func:`bound_in_source`); a watch asks at each forward."""
+    kept = _FILE_BOUND.get(filename)
+    if kept is None:
+        kept = _FILE_BOUND[filename] = _bound_by_statements(_module_tree(filename))
+    names, starred = kept
+    return names.union(*(_public_names(module, scope) for module in starred))
+
+
+#: file_bound_names's file-read part, by file name: the names, and the modules it imports
+#: ``*`` from (with their leading dots, relative).
+_FILE_BOUND: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {}
+
+
+def _bound_by_statements(tree: ast.Module) -> tuple[frozenset[str], tuple[str, ...]]:
+    """:func:`file_bound_names`' names ``tree`` binds, and the modules it imports ``*``
+    from."""
     names: set[str] = set()
+    starred: list[str] = []
     todo: list[ast.AST] = list(tree.body)
     while todo:
         node = todo.pop()
@@ -2057,22 +2091,21 @@ def file_bound_names(filename: str, scope: Mapping[str, Any]) -> frozenset[str]:
             continue
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= _imported_names_of(node, scope)
+        elif isinstance(node, ast.Import):
+            names |= {a.asname or a.name.partition(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
+            starred.append("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.ImportFrom):
+            names |= {a.asname or a.name for a in node.names}
         todo.extend(ast.iter_child_nodes(node))
     names |= {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
-    return frozenset(names)
+    return frozenset(names), tuple(starred)
 
 
-def _imported_names_of(node: ast.Import | ast.ImportFrom, scope: Mapping[str, Any]) -> set[str]:
-    """The names an import statement binds; an ``import *``, the public names of the module
-    (its ``__all__``, else those not begun by ``_``), found in ``sys.modules``."""
-    if isinstance(node, ast.Import):
-        return {a.asname or a.name.partition(".")[0] for a in node.names}
-    if not any(a.name == "*" for a in node.names):
-        return {a.asname or a.name for a in node.names}
+def _public_names(module: str, scope: Mapping[str, Any]) -> set[str]:
+    """The public names of ``module`` (its ``__all__``, else those not begun by ``_``), found
+    in ``sys.modules`` (resolved against the package of the globals ``scope``)."""
     try:
-        module = "." * node.level + (node.module or "")
         found = sys.modules.get(importlib.util.resolve_name(module, scope.get("__package__") or ""))
     except (ImportError, ValueError):
         return set()
@@ -3442,6 +3475,11 @@ _LEFT_OUT_SAID: set[tuple[type, str]] = set()
 
 
 def forward_functions(module: Any) -> tuple[tuple[type, Any], ...]:
+    """:func:`forward_functions_and_calls`' functions."""
+    return forward_functions_and_calls(module)[0]
+
+
+def forward_functions_and_calls(module: Any) -> tuple[tuple[tuple[type, Any], ...], Calls]:
     """What a module's key reads the globals and class settings of (:func:`forward_globals`):
     for each submodule's class of the user's (:func:`reads_held_attributes`: a library's
     classes read library globals, versioned by the library), its ``forward`` and every method
@@ -3451,7 +3489,9 @@ def forward_functions(module: Any) -> tuple[tuple[type, Any], ...]:
     another class's code calls (``self.heads.fast(y)``, ``b.custom(y)``: :func:`calls_in`),
     in the order found. A function of the user's set on a library's class (``nn.Linear.forward =
     patched``: :func:`library_patches`) is read with each class of the tree it reaches. An
-    instance's own ``forward`` is read otherwise (refused while it differs)."""
+    instance's own ``forward`` is read otherwise (refused while it differs). Beside them, the
+    :class:`Calls` they make (what a reading of any of them takes for the forward's own
+    state: :func:`forward_state`)."""
     subs = list(module.modules()) if hasattr(module, "modules") else [module]
     every = list(dict.fromkeys(type(sub) for sub in subs))
     classes = [cls for cls in every if not is_library_code(cls)]
@@ -3474,7 +3514,7 @@ def forward_functions(module: Any) -> tuple[tuple[type, Any], ...]:
     for cls in every:
         for f in library_patches(cls, read):
             found.setdefault((cls, f), None)
-    return tuple(found)
+    return tuple(found), calls_in(subs, found)
 
 
 def library_patches(cls: type, read: dict[type, tuple[Any, ...]] | None = None) -> tuple[Any, ...]:
@@ -3557,13 +3597,22 @@ def _places_read(func: Any) -> tuple[tuple[Mapping[str, Any], str], ...]:
     found = func.__globals__
     places: list[tuple[Mapping[str, Any], str]] = [(found, g) for g in global_names(func.__code__)]
     for g, chain in attribute_chains(func.__code__):
-        where, value = found, found.get(g)
-        for part in chain:
-            if not isinstance(value, types.ModuleType):
-                break
-            where, value = vars(value), vars(value).get(part)
-            places.append((where, part))
+        places += [(where, part) for where, part, _ in _through_modules(found.get(g), chain)]
     return tuple(places)
+
+
+def _through_modules(
+    value: Any, chain: tuple[str, ...]
+) -> Iterator[tuple[Mapping[str, Any], str, Any]]:
+    """``(namespace, name, value)`` of each attribute of ``chain`` read from ``value`` while
+    what is read from is a module (``F.gelu``: torch.nn.functional's namespace, ``"gelu"``
+    and the function)."""
+    for part in chain:
+        if not isinstance(value, types.ModuleType):
+            return
+        where = vars(value)
+        value = where.get(part)
+        yield where, part, value
 
 
 def patched_in_library(base: str, value: Any, chain: tuple[str, ...]) -> tuple[str, Any]:
@@ -3571,14 +3620,10 @@ def patched_in_library(base: str, value: Any, chain: tuple[str, ...]) -> tuple[s
     library module ``value`` (named ``base``) reaches through modules a function of the
     user's (``F.gelu = my_gelu``: ``("F.gelu", my_gelu)``), keyed as a helper of the user's
     is; ``(name, None)`` where it reaches none."""
-    parts = [base]
-    for part in chain:
-        if not isinstance(value, types.ModuleType):
-            break
-        value = vars(value).get(part)
-        parts.append(part)
-    own = len(parts) > 1 and type(value) is types.FunctionType and is_own_code(value)
-    return ".".join(parts), value if own else None  # act.__name__: a global read as one
+    steps = list(_through_modules(value, chain))
+    name = ".".join([base, *(part for _, part, _ in steps)])
+    value = steps[-1][2] if steps else None  # act.__name__: a global, read as one
+    return name, value if type(value) is types.FunctionType and is_own_code(value) else None
 
 
 @dataclass(frozen=True)
@@ -3904,6 +3949,7 @@ def forward_globals(
     exact: bool,
     functions: Iterable[tuple[type, Any]] | None = None,
     left_out: list[tuple[type, str]] | None = None,
+    calls: Calls | None = None,
 ) -> str:
     """The globals a module's forward reads, by the one rule a hook's are read by
     (:meth:`HeldReading.globals_read`: ``shared.STATE.scale``, a settings dict's items, a
@@ -3926,7 +3972,7 @@ def forward_globals(
         >>> forward_globals(torch.nn.Linear(2, 2), exact=True)
         ''
     """
-    rows = forward_reads(module, exact=exact, functions=functions, left_out=left_out)
+    rows = forward_reads(module, exact=exact, functions=functions, left_out=left_out, calls=calls)
     return ";".join(row for _, row in rows)
 
 
@@ -3936,17 +3982,23 @@ def forward_reads(
     exact: bool,
     functions: Iterable[tuple[type, Any]] | None = None,
     left_out: list[tuple[type, str]] | None = None,
+    calls: Calls | None = None,
 ) -> list[tuple[tuple[type, Any], str]]:
     """:func:`forward_globals`' rows, each with the ``(class, function)`` it is of: those
     that read anything, in one reading (what a watch's plan keeps to read at each forward).
-    ``left_out``: given, each ``(class, what)`` the reading could not key is added to it."""
-    functions = forward_functions(module) if functions is None else functions
+    ``left_out``: given, each ``(class, what)`` the reading could not key is added to it.
+    ``calls``: those of all the module's forward functions (:func:`forward_functions_and_calls`;
+    a watch reading some of them passes what its plan found, so its reading takes what
+    a key's takes for the forward's own state)."""
+    if functions is None:
+        functions, calls = forward_functions_and_calls(module)
+    functions = tuple(functions)
+    if calls is None:
+        calls = calls_in(module.modules() if hasattr(module, "modules") else [module], functions)
     reading = HeldReading(_TreeIds(module), exact=exact, forward=True)
     shadowed = instance_names(module)
     rows = []
     read_before: set[Any] = set()
-    functions = tuple(functions)
-    calls = calls_in(module.modules() if hasattr(module, "modules") else [module], functions)
     classes = dict.fromkeys(cls for cls, _ in functions)
     states = {
         cls: forward_state(cls, calls.surely.get(cls, frozenset()), calls.maybe) for cls in classes

@@ -51,11 +51,12 @@ from featbake.encode.encoders import (
 from featbake.encode.identity import (
     GLOBAL_HOOKS,
     HOOK_DICTS,
+    Calls,
     LaterRead,
     attribute_digest,
     attribute_row,
     foreign_global_hooks,
-    forward_functions,
+    forward_functions_and_calls,
     forward_globals,
     forward_reads,
     held_attribute,
@@ -325,6 +326,9 @@ class GlancePlan:
     #: The user's classes whose functions its forward runs: what they hold is glanced at by
     #: identity (a method replaced on the class, ``Cls.post = scaled_post``).
     classes: tuple[type, ...] = ()
+    #: The methods its forward's functions call on submodules (:class:`Calls`): what a
+    #: glance's reading of ``reads`` takes for the forward's own state, as a key's does.
+    calls: Calls | None = None
 
     def live_tensors(self) -> list[torch.Tensor] | None:
         """The planned tensors (None: one of them is gone, so the tree changed)."""
@@ -346,12 +350,13 @@ def glance_plan(module: nn.Module) -> GlancePlan | None:
         held = _held_attributes(sub, attrs, public)
         looks.append(_Look(weakref.ref(sub), pick, len(public) > 1, listy, name, public, held))
     tensors = tuple(weakref.ref(t) for t in (*module.parameters(), *module.buffers()))
-    functions = forward_functions(module)
-    reads = tuple(pair for pair, _ in forward_reads(module, exact=False, functions=functions))
+    functions, calls = forward_functions_and_calls(module)
+    rows = forward_reads(module, exact=False, functions=functions, calls=calls)
+    reads = tuple(pair for pair, _ in rows)
     later = (later_read(*p) for p in functions if p not in reads)
     classes = tuple(dict.fromkeys(cls for cls, _ in functions))
     kept = tuple(r for r in later if r is not None)
-    return GlancePlan(tuple(looks), tensors, reads, kept, classes)
+    return GlancePlan(tuple(looks), tensors, reads, kept, classes, calls)
 
 
 def _held_attributes(
@@ -554,7 +559,7 @@ def take_glance(plan: GlancePlan) -> Glance | None:
         root = plan.looks[0].ref()
         if root is None:
             return None
-        texts.append(forward_globals(root, exact=False, functions=plan.reads))
+        texts.append(forward_globals(root, exact=False, functions=plan.reads, calls=plan.calls))
     texts += [later.now() for later in plan.later]
     for cls in plan.classes:
         extend(own_class_values(cls))
