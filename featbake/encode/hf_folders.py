@@ -3,7 +3,8 @@
 What ``featbake build``'s options and a folder's processor settings or tokenizer make
 of the recipe (:func:`image_steps_for`, :func:`text_steps_for`) is read from the folder's JSON
 files, so a command refuses a wrong option, or names a missing encoder, before torch is
-imported (seconds of CPU). A tokenizer is loaded with transformers only for a text folder's
+imported (seconds of CPU); torch reads only a ``pytorch_model.bin``'s dtypes, where a folder
+has no safetensors weights. A tokenizer is loaded with transformers only for a text folder's
 recipe (:func:`text_recipe_for_folder`). The models themselves are :mod:`featbake.encode.hf`'s.
 """
 
@@ -867,27 +868,62 @@ SAFETENSORS_FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F
 
 
 def weights_dtype(folder: Path) -> str | None:
-    """The dtype transformers' "auto" takes from a folder's safetensors weights (the first
-    floating tensor's; another where they differ), read from their headers; None where they
-    are float32 or the folder has none (``pytorch_model.bin``: taken as float32)."""
-    index = folder / "model.safetensors.index.json"
+    """The dtype transformers' "auto" takes from a folder's weights (the first floating
+    tensor's; another where they differ): from the safetensors files' headers, or where the
+    folder has none, from its first ``pytorch_model.bin`` as transformers reads it (on the
+    meta device: no weight is read); None where they are float32 or none can be read."""
+    kinds = _safetensors_floats(folder)
+    if kinds is None:
+        kinds = _pickled_floats(folder)
+    others = sorted(kinds - {"float32"})
+    return others[0] if others else None
+
+
+def _shard_names(folder: Path, index: str, single: str) -> list[str]:
+    """A folder's weight files: those its index names (sorted), else the single file's name."""
     try:
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        names = ["model.safetensors"]
+        return [single]
+
+
+def _safetensors_floats(folder: Path) -> set[str] | None:
+    """The floating dtypes of a folder's safetensors weights, read from their headers; None
+    where the folder has no safetensors file to read."""
     kinds: set[str] = set()
-    for name in names:
+    read = False
+    for name in _shard_names(folder, "model.safetensors.index.json", "model.safetensors"):
         try:
             with (folder / name).open("rb") as f:
                 size = int.from_bytes(f.read(8), "little")
                 header = json.loads(f.read(size)) if 0 < size < 100_000_000 else {}
         except (OSError, ValueError):
             continue
+        read = True
         for entry in header.values() if isinstance(header, dict) else ():
             if isinstance(entry, dict) and entry.get("dtype") in SAFETENSORS_FLOATS:
                 kinds.add(SAFETENSORS_FLOATS[entry["dtype"]])
-    others = sorted(kinds - {"float32"})
-    return others[0] if others else None
+    return kinds if read else None
+
+
+def _pickled_floats(folder: Path) -> set[str]:
+    """The floating dtypes of the first ``pytorch_model.bin`` file of a folder (the one
+    transformers' "auto" reads), loaded as transformers loads it for that (``weights_only``,
+    on the meta device); empty where there is none or it cannot be read (the model's load
+    says why)."""
+    import torch  # only where a folder has no safetensors weights
+
+    first = _shard_names(folder, "pytorch_model.bin.index.json", "pytorch_model.bin")[0]
+    try:
+        state = torch.load(folder / first, map_location="meta", weights_only=True)
+    except Exception:  # an unreadable file is the model's load to report
+        return set()
+    tensors = state.values() if isinstance(state, dict) else ()
+    return {
+        str(t.dtype).removeprefix("torch.")
+        for t in tensors
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    }
 
 
 def _transformer_config(folder: Path) -> tuple[dict[str, Any], Path]:

@@ -543,6 +543,41 @@ def test_a_model_saved_in_bfloat16_is_refused_until_its_settings_ask_for_float32
     assert_sentence_embeddings_equal(built_and_served(folder, texts, tmp_path / "store"), folder)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_a_bin_only_model_saved_in_half_with_no_dtype_set_is_refused(
+    dtype: torch.dtype, texts: Path, tmp_path: Path
+) -> None:
+    """A folder whose weights are a ``pytorch_model.bin`` alone and whose config names no
+    dtype: transformers 5 takes the dtype from that file's tensors, so sentence-transformers
+    encodes a float16 one in float16 (featbake, reading safetensors headers alone, took it
+    for float32: its ``sentence_embedding`` served float32 values); a float32 one builds and
+    equals sentence-transformers."""
+    bert = save_bert(tmp_path / "bert")
+    if dtype != torch.float32:
+        half = tmp_path / "bert-half"
+        transformers.AutoModel.from_pretrained(str(bert), dtype=dtype).save_pretrained(half)
+        transformers.AutoTokenizer.from_pretrained(str(bert)).save_pretrained(half)
+        bert = half
+    folder = save_sentence_model(tmp_path / "bin", bert, "mean")
+    # transformers 5 saves safetensors alone: the weights pickled by hand, the dtype unsaid
+    weights = folder / "model.safetensors"
+    torch.save(safetensors.load_file(weights), folder / "pytorch_model.bin")
+    weights.unlink()
+    config = json.loads((folder / "config.json").read_text())
+    write_json(folder / "config.json", {k: v for k, v in config.items() if "dtype" not in k})
+    loaded = st.SentenceTransformer(str(folder), device="cpu").dtype
+    if loaded != dtype:
+        pytest.skip("this transformers loads a model in float32 whatever its weights are")
+    if dtype == torch.float32:
+        served = built_and_served(folder, texts, tmp_path / "store")
+        assert_sentence_embeddings_equal(served, folder)
+        return
+    asked = Recipe(source="text", output=SENTENCE_EMBEDDING)
+    with pytest.raises(ConfigError, match="float16 \\(its weights\\)") as refused:
+        build(texts, folder, cache=tmp_path / "store", recipe=asked)
+    assert "\n" not in str(refused.value)
+
+
 #: A Greek word ending in a capital sigma, which lowercases to a final sigma in Python alone.
 GREEK_WORD = "\u039f\u0394\u039f\u03a3"
 #: Its stem and its sigma as the tokenizer lowercases them (a word-piece each), and the whole
