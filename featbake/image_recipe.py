@@ -70,6 +70,7 @@ class ProcessorDefaults:
     image_mean: tuple[float, ...]
     image_std: tuple[float, ...]
     int_size_is_square: bool
+    do_convert_rgb: bool
 
     def settings(self) -> dict[str, Any]:
         """The settings a config leaving them all out has."""
@@ -79,6 +80,7 @@ class ProcessorDefaults:
             "resample": self.resample,
             "image_mean": list(self.image_mean),
             "image_std": list(self.image_std),
+            "do_convert_rgb": self.do_convert_rgb,
         }
         return out | ({"crop_size": dict(self.crop_size)} if self.crop_size else {})
 
@@ -87,16 +89,16 @@ _SQUARE_224 = {"height": 224, "width": 224}
 #: Each plain processor's class defaults (``Dinov2ImageProcessor`` is no transformers class:
 #: its configs are read as given, an int size as before).
 PROCESSOR_DEFAULTS: dict[str, ProcessorDefaults] = {
-    "ViTImageProcessor": ProcessorDefaults(_SQUARE_224, None, False, 2, HALF, HALF, True),
+    "ViTImageProcessor": ProcessorDefaults(_SQUARE_224, None, False, 2, HALF, HALF, True, False),
     "CLIPImageProcessor": ProcessorDefaults(
-        {"shortest_edge": 224}, _SQUARE_224, True, 3, CLIP_MEAN, CLIP_STD, False
+        {"shortest_edge": 224}, _SQUARE_224, True, 3, CLIP_MEAN, CLIP_STD, False, True
     ),
     "BitImageProcessor": ProcessorDefaults(
-        {"shortest_edge": 224}, _SQUARE_224, True, 3, CLIP_MEAN, CLIP_STD, False
+        {"shortest_edge": 224}, _SQUARE_224, True, 3, CLIP_MEAN, CLIP_STD, False, True
     ),
-    "SiglipImageProcessor": ProcessorDefaults(_SQUARE_224, None, False, 3, HALF, HALF, False),
+    "SiglipImageProcessor": ProcessorDefaults(_SQUARE_224, None, False, 3, HALF, HALF, False, True),
     "DeiTImageProcessor": ProcessorDefaults(
-        {"height": 256, "width": 256}, _SQUARE_224, True, 3, HALF, HALF, True
+        {"height": 256, "width": 256}, _SQUARE_224, True, 3, HALF, HALF, True, False
     ),
 }
 
@@ -262,6 +264,12 @@ class ImageRecipe:
         rescale: multiply pixel values by this (``1/255``); ``None`` keeps 0..255.
         mean, std: per-channel normalisation after the rescale; ``None`` skips it.
         mode: colour mode images are converted to (transparency composited onto white).
+        composite: transparency is composited onto white even where an image is already in
+            ``mode`` (transformers' ``convert_to_rgb``); ``False`` takes such an image's
+            pixels as saved, its transparency ignored, as a processor that does not convert
+            to RGB (``do_convert_rgb`` false or unset: ViT's, DeiT's) reads them
+            (``np.array(image)``). An image in another mode is converted either way (such a
+            processor raises on it).
         exif: apply the EXIF orientation tag before anything else.
         hflip: this recipe is the horizontally flipped *view*: the image is mirrored before
             the transform (``--views hflip`` bakes it beside the original, under its own key).
@@ -281,6 +289,7 @@ class ImageRecipe:
     mode: ColourMode = ColourMode.RGB
     exif: bool = True
     hflip: bool = False
+    composite: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -312,7 +321,7 @@ class ImageRecipe:
             raise ConfigError(
                 f"--rescale must be a positive number such as 1/255, got {self.rescale}"
             )
-        for flag in ("antialias", "exif", "hflip"):
+        for flag in ("antialias", "exif", "hflip", "composite"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not self.antialias and self.interpolation not in ANTIALIAS_OFF_FILTERS:
@@ -335,7 +344,7 @@ class ImageRecipe:
             >>> ImageRecipe.from_processor({"image_processor_type": "ViTImageProcessor",
             ...     "size": {"height": 224, "width": 224}, "resample": 2,
             ...     "image_mean": [0.5] * 3, "image_std": [0.5] * 3}).describe()
-            '224x224 bilinear rescale mean/std RGB'
+            '224x224 bilinear rescale mean/std RGB transparency-as-saved'
         """
         kind = processor_kind(config)
         if kind not in PLAIN_PROCESSORS or config.get("do_pad"):
@@ -365,6 +374,7 @@ class ImageRecipe:
             else None,
             mean=per_channel(mean) if normalize and mean is not None else None,
             std=per_channel(std) if normalize and std is not None else None,
+            composite=bool(config.get("do_convert_rgb", True)),
         )
 
     def key_fields(self) -> dict[str, Any]:
@@ -382,6 +392,8 @@ class ImageRecipe:
             "exif": self.exif,
             # Only the flipped view says so: the original's fields stay as they were.
             **({"hflip": True} if self.hflip else {}),
+            # Only a recipe that leaves transparency as saved says so (keys kept otherwise).
+            **({"composite": False} if not self.composite else {}),
         }
 
     def describe(self) -> str:
@@ -414,6 +426,8 @@ def describe_fields(fields: Mapping[str, Any]) -> str:
         bits.append("no-exif")
     if fields.get("hflip"):
         bits.append("hflip")
+    if fields.get("composite") is False:
+        bits.append("transparency-as-saved")
     return " ".join(bits)
 
 

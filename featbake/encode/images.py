@@ -8,7 +8,9 @@ pixels before any transform does:
 * 16-bit greyscale is scaled to 8 bits (``round(v / 257)``; Pillow's own conversion clips
   every value above 255 to white);
 * transparency is composited onto white, as transformers' ``convert_to_rgb`` does, and the
-  image converted to the recipe's colour mode (CMYK, palette and greyscale included).
+  image converted to the recipe's colour mode (CMYK, palette and greyscale included); where
+  the recipe's processor does not convert to RGB (``ImageRecipe.composite`` false: ViT's,
+  DeiT's), an image already in that mode is taken as saved, its transparency key ignored.
 
 A truncated file, a file that is not an image, or a decompression bomb raises
 :class:`SourceError`, so the build skips it with the reason, as it does bad audio.
@@ -193,7 +195,7 @@ def decode_image(
         ) from e
     if unknown:
         raise SourceError(f"{path}: {unknown} has no known range; save it as 8 or 16 bit")
-    return to_mode(image, steps.mode, path)
+    return to_mode(image, steps.mode, path, composite=steps.composite)
 
 
 def unknown_range(image: Image.Image) -> str | None:
@@ -225,8 +227,16 @@ def _tag(tags: Any, number: int, default: int) -> Any:
     return value[0] if isinstance(value, tuple) else value
 
 
-def to_mode(image: Image.Image, mode: ColourMode, path: str | os.PathLike[str] = "") -> Image.Image:
-    """``image`` in ``mode``: 16-bit scaled to 8, transparency composited onto white.
+def to_mode(
+    image: Image.Image,
+    mode: ColourMode,
+    path: str | os.PathLike[str] = "",
+    *,
+    composite: bool = True,
+) -> Image.Image:
+    """``image`` in ``mode``: 16-bit scaled to 8, transparency composited onto white; without
+    ``composite``, an image already in ``mode`` as it is (its transparency key ignored, as
+    ``np.array`` reads it: a processor that does not convert to RGB).
 
     Raises:
         SourceError: a floating-point image (mode ``F``): its range is unknown.
@@ -242,6 +252,8 @@ def to_mode(image: Image.Image, mode: ColourMode, path: str | os.PathLike[str] =
     if image.mode in _WIDE_GREY:
         wide = np.asarray(image).astype(np.int64)
         image = Image.fromarray(((np.clip(wide, 0, 65535) + 128) // 257).astype(np.uint8), "L")
+    if image.mode == mode.value and not composite:
+        return image
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))

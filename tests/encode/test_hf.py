@@ -754,6 +754,40 @@ def test_real_photographs_equal_transformers_too(tmp_path: Path, folders: dict[s
         assert rel_error(ds[i]["pooled"], want.pooler_output[0]) < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["vit", "clip", "vit-converting"])
+def test_an_rgb_png_with_a_transparency_key_is_read_as_the_processor_reads_it(
+    tmp_path: Path, folders: dict[str, Path], kind: str
+) -> None:
+    """ViT's processor does not convert to RGB: it reads an RGB PNG's pixels as saved
+    (``np.array``), its transparency key ignored; CLIP's converts, compositing the keyed
+    pixels onto white, and so does ViT's with ``do_convert_rgb: true``. featbake composited
+    for all three (ViT's tokens 0.31 off). The reference is the file opened by Pillow, as a
+    user hands it to the processor, never featbake's decoding."""
+    folder = folders[kind.removesuffix("-converting")]
+    if kind.endswith("-converting"):
+        folder = Path(shutil.copytree(folder, tmp_path / "converting"))
+        config = json.loads((folder / "preprocessor_config.json").read_text())
+        config["do_convert_rgb"] = True
+        (folder / "preprocessor_config.json").write_text(json.dumps(config))
+    root = tmp_path / "keyed"
+    root.mkdir()
+    pixels = np.random.default_rng(3).integers(0, 256, (40, 40, 3), dtype=np.uint8)
+    pixels[:20, :20] = (10, 20, 30)
+    Image.fromarray(pixels).save(root / "keyed.png", transparency=(10, 20, 30))
+    Image.fromarray(pixels).save(root / "plain.png")
+    assert build(root, folder, cache=tmp_path / "s", workers=0).encoded == 2
+    ds = CachedFeatureDataset(root, folder, cache=tmp_path / "s", on_miss="error")
+    model, proc = load_vision_reference(str(folder))
+    served = {}
+    for i in range(len(ds)):
+        with Image.open(ds.path(i)) as image, torch.inference_mode():
+            want = model(**proc(images=image, return_tensors="pt")).last_hidden_state[0]
+        served[Path(ds.path(i)).name] = ds[i]["tokens"]
+        assert rel_error(ds[i]["tokens"], want) < 1e-5, (kind, ds.path(i))
+    composited = not torch.allclose(served["keyed.png"], served["plain.png"])
+    assert composited == (kind != "vit")
+
+
 # == test_hf_vision_folders ========================================================================
 # Vision folders as users download them: a ViT saved without its pooling layer (DINO, MAE) and
 # a whole CLIP model (text and vision towers), each built from a config and saved with
