@@ -674,10 +674,13 @@ class CatalogConnection(ProcessLocalState):
     def _connect(self) -> sqlite3.Connection:
         try:
             fresh = self.fragment is None and self.access is Access.READ_WRITE
-            if fresh and not self.path.exists():
+            made_here = fresh and not self.path.exists()
+            if made_here:
                 self.layout.refuse_fresh_catalog(allow=self.rebuild)
                 create_catalog_whole(self.path, self.layout.tmp, self.timeout)
             conn = self._open()
+            if self.fragment is None and not (made_here or self.rebuild):
+                self._refuse_emptied(conn)
             # A sealed fragment is read by column name whatever schema version wrote it.
             if self.fragment is None or self.access is Access.READ_WRITE:
                 ensure_schema(conn, self.path, writable=self.access is Access.READ_WRITE)
@@ -694,6 +697,22 @@ class CatalogConnection(ProcessLocalState):
         except sqlite3.DatabaseError as e:
             raise self.unreadable(e) from e
         return conn
+
+    def _refuse_emptied(self, conn: sqlite3.Connection) -> None:
+        """Raise where the store's catalog has no tables (a file emptied or truncated to
+        nothing) though the store holds shards or root manifests: taken as a new catalog, it
+        read as a store holding nothing, a build encoded everything again and gc deleted every
+        shard as unnamed. Rebuilding it is ``verify --repair``'s (``rebuild``)."""
+        if self.layout.remote is not None or schema_version(conn) is not None:
+            return
+        if not self.layout.holds_what_a_catalog_names():
+            return  # a store's first catalog, another process filling it in place
+        conn.close()
+        raise StoreError(
+            f"the catalog {self.path} is empty (no tables) though the store holds shards or "
+            "root manifests; run `featbake verify --repair` to rebuild it from them (taken as "
+            "new, every feature would be encoded again and gc would delete the shards)"
+        )
 
     def _no_room_for_shm(self, error: sqlite3.OperationalError) -> bool:
         """Whether a read-only open failed only for want of room to make its ``-shm`` file: a

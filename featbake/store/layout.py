@@ -132,9 +132,14 @@ class Layout:
         """True if a build left anything here to read or rebuild from: a catalog, a file under
         ``shards/``, a root manifest, or ``quarantine/``. A build that failed before its first
         shard (no input files) leaves empty ``shards/`` and ``tmp/``: nothing to repair."""
-        if os.path.lexists(self.catalog) or os.path.lexists(self.quarantine):
-            return True
-        if self.has_root_manifests():
+        return os.path.lexists(self.catalog) or self.holds_what_a_catalog_names()
+
+    def holds_what_a_catalog_names(self) -> bool:
+        """True if the store holds what only a catalog's rows name, and ``verify --repair``
+        rebuilds them from: a file under ``shards/``, a root manifest, or ``quarantine/``. A
+        catalog without tables beside them was emptied, not new (:class:`Catalog` refuses to
+        start it over)."""
+        if os.path.lexists(self.quarantine) or self.has_root_manifests():
             return True
         return any(files for _, _, files in os.walk(self.shards))
 

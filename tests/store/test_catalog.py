@@ -1119,3 +1119,40 @@ def test_featbake_read_only_of_another_word_is_refused(monkeypatch: pytest.Monke
     monkeypatch.setenv("FEATBAKE_READ_ONLY", "maybe")
     with pytest.raises(ConfigError, match="FEATBAKE_READ_ONLY='maybe' is neither yes nor no"):
         read_only_forced()
+
+
+@pytest.mark.slow
+def test_an_emptied_catalog_is_refused_as_a_lost_one_and_repaired(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """A catalog.sqlite truncated to nothing (0 bytes, no tables) was taken as a new store's:
+    `stats` said it held nothing, a dataset missed every item, a build encoded them all again,
+    and `gc` deleted every shard as unnamed. Each command now refuses in one line naming
+    `verify --repair`, which rebuilds every row from the shards and manifests."""
+    built = invoke(
+        "build", "--data", audio_dir, "--encoder", encoder_file, "--cache", store_dir, "--json"
+    )
+    assert built.returncode == 0, built.stderr
+    shards = sorted(p.name for p in store_dir.rglob("*.safetensors"))
+    (store_dir / "catalog.sqlite").write_bytes(b"")
+    for command in (
+        ["stats"],
+        ["gc", "--grace", "0s"],
+        ["build", "--data", audio_dir, "--encoder", encoder_file],
+    ):
+        refused = invoke(*command, "--cache", store_dir)
+        assert refused.returncode == 5, (command, refused.stdout + refused.stderr)
+        said = refused.stderr.strip()
+        assert "empty (no tables)" in said and "featbake verify --repair" in said, said
+        assert "Traceback" not in said and len(said.splitlines()) == 1, said
+    assert sorted(p.name for p in store_dir.rglob("*.safetensors")) == shards
+    with sqlite3.connect(store_dir / "catalog.sqlite") as conn:  # nothing started over
+        assert conn.execute("SELECT count(*) FROM sqlite_master").fetchone() == (0,)
+    with pytest.raises(StoreError, match="empty"):
+        CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
+    repaired = invoke("verify", "--cache", store_dir, "--repair")
+    assert repaired.returncode in (0, 10), repaired.stdout + repaired.stderr
+    again = invoke(
+        "build", "--data", audio_dir, "--encoder", encoder_file, "--cache", store_dir, "--json"
+    )
+    assert again.returncode == 0 and '"encoded": 0' in again.stdout, again.stdout + again.stderr
