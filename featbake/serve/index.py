@@ -574,8 +574,8 @@ def without_undecodable(
     shown = "; ".join(f"{rel_paths[i]} ({failed[keys[i]]})" for i in out[:5])
     more = f" (and {len(out) - 5} more)" if len(out) > 5 else ""
     warnings.warn(
-        f"{len(out)} input(s) of {where} could not be decoded when `featbake build` ran, so "
-        f"they are not items of this dataset: {shown}{more}; fix or replace them and run "
+        f"{len(out)} input(s) of {where} could not be decoded or encoded when `featbake build` "
+        f"ran, so they are not items of this dataset: {shown}{more}; fix or replace them and run "
         "`featbake build` again to include them",
         stacklevel=4,
     )
