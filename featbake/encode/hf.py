@@ -129,10 +129,10 @@ class HFVisionEncoder(nn.Module):
         if self.layers is not None:
             return {part_name(k): out.hidden_states[k] for k in self.layers}
         tokens = out.last_hidden_state
-        if not self.pooled:
-            return {TOKENS: tokens}
         pooled = getattr(out, "pooler_output", None)
-        parts = {POOLED: tokens[:, 0] if pooled is None else pooled, TOKENS: tokens}
+        if not self.pooled or pooled is None:  # no pooling head: its tokens alone
+            return {TOKENS: tokens}
+        parts = {POOLED: pooled, TOKENS: tokens}
         if self.embeds:
             project = self.projection
             parts[IMAGE_EMBEDS] = parts[POOLED] if project is None else project(parts[POOLED])
@@ -650,6 +650,23 @@ def check_recipe_supported(encoder: LoadedEncoder, recipe: Recipe) -> None:
         raise ConfigError("layers='all' must be resolved against the model (recipe_for_folder)")
 
 
+def _config_layers(folder: Path, model: Any) -> int:
+    """The number of layers ``--layers`` counts in a loaded model (its config's
+    ``num_hidden_layers``), asked only where layers are.
+
+    Raises:
+        ConfigError: the config names none (BiT's and Swin's stages are ``depths``: their
+            hidden states are no one layer's).
+    """
+    config = tower_config(model.config.to_dict())
+    if "num_hidden_layers" not in config:
+        raise ConfigError(
+            f"{folder} has no num_hidden_layers in config.json ({type(model).__name__} has "
+            "stages, not layers); --layers needs it: leave --layers out"
+        )
+    return int(config["num_hidden_layers"])
+
+
 def _num_layers(folder: str | os.PathLike[str]) -> int:
     model_folder = transformer_folder(folder)
     try:
@@ -770,11 +787,19 @@ def _vision_encoder(
     tower = vision_tower(model)
     runs = model if tower is None else tower.model
     headless = getattr(runs, "pooler", False) is None
+    # SigLIP's tower without its attention-pooling head (vision_use_head=False) gives no
+    # pooler_output: its first row, a patch's token, was served as `pooled` and `image_embeds`.
+    unpooled = getattr(getattr(runs, "vision_model", runs), "use_head", True) is False
     projection = None if tower is None else tower.projection
     wrapper = HFVisionEncoder(
-        runs, layers, pooled=not headless, embeds=tower is not None, projection=projection
+        runs,
+        layers,
+        pooled=not (headless or unpooled),
+        embeds=tower is not None,
+        projection=projection,
     )
-    identity = folder_identity(path, model, pre)
+    # Keyed apart from the stores that held a patch's token as its pooled part.
+    identity = folder_identity(path, model, pre) + ("\npooled:none" if unpooled else "")
     enc = from_module(wrapper, label=str(path), kind=HF, identity=identity, device=device)
     enc._fingerprint = module_fingerprint(wrapper, identity)
     if headless:
@@ -783,6 +808,13 @@ def _vision_encoder(
             f"MAE checkpoints are), so it has no {POOLED!r} output; ask for --output {TOKENS} "
             "(its first row is the CLS token)"
         )
+    if unpooled:
+        for part in (POOLED, IMAGE_EMBEDS):
+            enc.absent_outputs[part] = (
+                f"{path} has no attention-pooling head (vision_use_head=false), so it has no "
+                f"{part!r} output (a SigLIP token is a patch's, no CLS); ask for --output "
+                f"{TOKENS} and pool the rows yourself"
+            )
     return enc
 
 
@@ -916,9 +948,8 @@ def _load_folder(
         )
     model = _load_model(path)
     pre = Preprocessor.of_folder(path)
-    num = int(tower_config(model.config.to_dict())["num_hidden_layers"])
     if layers is not None:
-        layers = resolve_layers(layers, num)
+        layers = resolve_layers(layers, _config_layers(path, model))
     if model.main_input_name == "pixel_values" or vision_tower(model) is not None:
         return _vision_encoder(path, model, pre, layers, device)
     wrapper = HFSpeechEncoder(model, layers, pre.return_attention_mask)

@@ -863,6 +863,79 @@ def test_asking_a_headless_vit_for_pooled_is_one_line(
     assert not shards  # refused before any work
 
 
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_siglip_without_its_pooling_head_serves_tokens_alone(
+    tmp_path: Path, vision_images: Path, whole: bool
+) -> None:
+    """A SigLIP tower saved with ``vision_use_head=False`` gives no ``pooler_output`` (nor
+    ``get_image_features``): its first row, a patch's token (SigLIP has no CLS), was served
+    as ``pooled`` and ``image_embeds``. Its tokens alone are served now, and asking for the
+    others is one line."""
+    torch.manual_seed(0)
+    vision = {**TINY_FOLDERS, **PATCH, "intermediate_size": 64, "vision_use_head": False}
+    if whole:
+        text = {**TINY_FOLDERS, "intermediate_size": 64, "vocab_size": 99}
+        config = transformers.SiglipConfig(vision_config=vision, text_config=text)
+        model: Any = transformers.SiglipModel(config)
+    else:
+        model = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**vision))
+    folder = tmp_path / "siglip"
+    model.eval().save_pretrained(folder)
+    processor("Siglip", size={"height": 32, "width": 32}).save_pretrained(folder)
+    assert build(vision_images, folder, cache=tmp_path / "s", workers=0).encoded == 4
+    ds = CachedFeatureDataset(vision_images, folder, cache=tmp_path / "s", on_miss="error")
+    assert set(ds[0]) == {"tokens"}
+    proc = transformers.AutoImageProcessor.from_pretrained(folder)
+    tower = model.vision_model if whole else model
+    served_tokens_equal_transformers(ds, tower, proc)
+    for part in ("pooled", "image_embeds") if whole else ("pooled",):
+        with pytest.raises(ConfigError, match="vision_use_head=false") as refused:
+            build(vision_images, folder, cache=tmp_path / "s", recipe=Recipe(output=part))
+        assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("kind", ["bit", "swin"])
+def test_a_model_of_stages_builds_and_refuses_layers_in_one_line(
+    tmp_path: Path, vision_images: Path, kind: str
+) -> None:
+    """BiT and Swin configs count stages (``depths``), not ``num_hidden_layers``: every
+    build of such a folder failed with ``internal error: KeyError: 'num_hidden_layers'``.
+    It builds (tokens and pooled equal transformers' own), and ``--layers`` is one line."""
+    torch.manual_seed(0)
+    if kind == "bit":
+        config: Any = transformers.BitConfig(
+            embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="bottleneck",
+            num_groups=4, out_features=None, out_indices=None,
+        )  # fmt: skip
+        model: Any = transformers.BitModel(config)
+        proc = processor("Bit", size={"shortest_edge": 36}, crop_size={"height": 32, "width": 32})
+    else:
+        config = transformers.SwinConfig(
+            image_size=32, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[1, 2],
+            window_size=4,
+        )  # fmt: skip
+        model = transformers.SwinModel(config)
+        proc = processor("ViT", size={"height": 32, "width": 32}, resample=3)
+    folder = tmp_path / kind
+    model.eval().save_pretrained(folder)
+    proc.save_pretrained(folder)
+    assert build(vision_images, folder, cache=tmp_path / "s", workers=0).encoded == 4
+    ds = CachedFeatureDataset(vision_images, folder, cache=tmp_path / "s", on_miss="error")
+    reference = transformers.AutoModel.from_pretrained(folder).eval()
+    loaded = transformers.AutoImageProcessor.from_pretrained(folder)
+    for i in range(len(ds)):
+        image = decode_image(Path(ds.path(i)), ds.recipe.image_steps)
+        with torch.inference_mode():
+            want = reference(**loaded(images=image, return_tensors="pt"))
+        assert rel_error(ds[i]["tokens"], want.last_hidden_state[0]) < 1e-5, ds.path(i)
+        assert rel_error(ds[i]["pooled"], want.pooler_output[0]) < 1e-5, ds.path(i)
+    res = invoke("build", "-d", vision_images, "-e", folder, "--cache", tmp_path / "c",
+                 "--layers", "1")  # fmt: skip
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert "num_hidden_layers" in lines[0] and "internal error" not in lines[0], res.stderr
+
+
 def save_whole_model(folder: Path, kind: str) -> Path:
     """A whole image-text model (both towers), saved as a download gives it."""
     torch.manual_seed(0)
