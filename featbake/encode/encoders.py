@@ -177,6 +177,12 @@ def split_lengths_result(result: Any, rows: int) -> tuple[Any, torch.Tensor]:
     return features, out_lengths.detach().to("cpu", torch.int64)
 
 
+#: Parts of any lengths-protocol encoder that hold one row per input, by their documented names
+#: (``pooled`` is ``[D]``): kept whole, never cut to an item's frames. A TorchScript module's
+#: masked mean returned as ``{"tokens": x, "pooled": m}`` had ``pooled`` cut to its frame count.
+PER_INPUT_PARTS = frozenset({"pooled", "image_embeds", "text_embeds", "sentence_embedding"})
+
+
 def trim_rows(
     named: Mapping[str, torch.Tensor],
     out_lengths: torch.Tensor,
@@ -187,13 +193,24 @@ def trim_rows(
     (:meth:`Recipe.encoded`: float parts in the encode dtype), own storage.
 
     Parts named in ``whole`` hold one row per input (a pooled vector): each row is kept whole.
+    The others are one row per frame, over the same frames: parts whose second dimensions
+    differ are refused (one of them holds no frames: ``[B, 32 queries, D]`` beside the tokens
+    was cut as frames, silently).
 
     Raises:
-        EncodeError: a part is not ``[B, T', ...]`` or is shorter than an output length.
+        EncodeError: a part is not ``[B, T', ...]``, is shorter than an output length, its
+            frames are not the other parts', or an output length is negative.
     """
     rows = int(out_lengths.shape[0])
     lengths = out_lengths.tolist()
+    if lengths and min(lengths) < 0:
+        raise EncodeError(
+            f"the encoder returned a negative output length ({min(lengths)}) for an input of "
+            "this batch; its out_lengths formula must give 0 or more frames for every input "
+            "length (clamp it, or pad short inputs inside the encoder)"
+        )
     out: list[dict[str, torch.Tensor]] = [{} for _ in range(rows)]
+    frames: dict[str, tuple[int, ...]] = {}
     for part, value in named.items():
         if part in whole and value.dim() >= 1 and value.shape[0] == rows:
             value = encoded(value)
@@ -205,9 +222,17 @@ def trim_rows(
                 f"encoder output {part or 'tensor'} has shape {tuple(value.shape)}; the lengths "
                 f"protocol needs [{rows}, T', ...] with T' >= {max(lengths)} (the out_lengths)"
             )
+        frames[part] = tuple(value.shape)
         value = encoded(value)
         for i, n in enumerate(lengths):
             out[i][part] = value[i, :n].clone()  # own storage: a slice would pin the whole batch
+    if len({shape[1] for shape in frames.values()}) > 1:
+        shown = ", ".join(f"{part or 'tensor'} {shape}" for part, shape in frames.items())
+        raise EncodeError(
+            f"encoder outputs {shown} differ in their frames (second dimension); with lengths, "
+            "every output is [B, T', ...] over the same frames but one with a row per input, "
+            f"named {' or '.join(sorted(PER_INPUT_PARTS))}: rename it, or store it apart"
+        )
     return out
 
 

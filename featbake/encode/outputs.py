@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from featbake.encode.encoders import (
+    PER_INPUT_PARTS,
     LoadedEncoder,
     autocast_for,
     pad_inputs,
@@ -189,7 +190,7 @@ def encode_padded(
         result = encoder.run(batch.inputs, batch.lengths)
     features, out_lengths = split_lengths_result(result, len(inputs))
     named = split_outputs(features, recipe.output)
-    whole = encoder.whole_parts
+    whole = encoder.whole_parts | PER_INPUT_PARTS
     if recipe.output is not None:  # the one part kept is stored under ""
         whole = frozenset({""}) if recipe.output in whole else frozenset()
     return trim_rows(named, out_lengths, recipe.encoded, whole)

@@ -25,10 +25,11 @@ from featbake.encode.outputs import split_outputs
 from featbake.encode.sources import AudioSource
 from featbake.errors import ConfigError, EncodeError, EncoderLoadError
 from featbake.recipe import Recipe
+from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
-from featbake.testing import MultiOutputEncoder, TinyConvEncoder
+from featbake.testing import MultiOutputEncoder, TinyConvEncoder, write_audio_folder
 from tests.conftest import invoke, live_features
 
 ENC_MODULE = textwrap.dedent(
@@ -538,3 +539,73 @@ def test_from_module_runs_a_module_of_buffers_only_where_its_buffers_are() -> No
     assert out.shape == (2, 8) and out.is_meta
     assert module_device(torch.nn.ReLU()) is None
     assert from_module(torch.nn.ReLU()).device == torch.device("cpu")
+
+
+class PooledBesideTokens(torch.nn.Module):
+    """A lengths-protocol encoder returning its frames and a per-clip masked mean (and, with
+    ``queries``, a part of a fixed 5 rows per clip): what a TorchScript user writes."""
+
+    def __init__(self, queries: bool = False, dim: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv1d(1, dim, 400, stride=320)
+        self.queries = queries
+
+    def forward(
+        self, wav: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        x = torch.tanh(self.conv(wav.unsqueeze(1))).transpose(1, 2)
+        out = torch.div(lengths - 400, 320, rounding_mode="floor") + 1
+        mask = (torch.arange(x.shape[1])[None, :] < out[:, None]).to(x.dtype)
+        pooled = (x * mask[..., None]).sum(1) / out[:, None].to(x.dtype)
+        parts = {"tokens": x, "pooled": pooled}
+        if self.queries:
+            parts["queries"] = pooled[:, None, :].expand(-1, 5, -1) * 2
+        return parts, out
+
+
+def test_a_per_clip_pooled_beside_the_frames_is_kept_whole(tmp_path: Path) -> None:
+    """A TorchScript encoder taking lengths and returning ``{"tokens": [B, T', D], "pooled":
+    [B, D]}``: ``pooled`` was cut to each clip's frame count (24, 37, 49 of its 64 values)
+    and served so, the build saying nothing. Each part is checked against the module run now
+    on the clip alone."""
+    data = tmp_path / "clips"
+    write_audio_folder(data, 4, seconds=(0.5, 1.0), seed=3)
+    path = tmp_path / "pooled.pt"
+    torch.jit.save(torch.jit.script(PooledBesideTokens().eval()), str(path))
+    report = build(data, path, cache=tmp_path / "s", workers=0, batching="padded")
+    assert report.ok and report.encoded == 4
+    ds = CachedFeatureDataset(data, path, cache=tmp_path / "s", on_miss="error")
+    module = torch.jit.load(str(path))
+    for i in range(len(ds)):
+        wav = AudioSource(Recipe()).load(ds.path(i))[None]
+        with torch.inference_mode():
+            want, _ = module(wav, torch.tensor([wav.shape[1]]))
+        got = ds[i]
+        assert got["pooled"].shape == (64,)
+        torch.testing.assert_close(got["pooled"], want["pooled"][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got["tokens"], want["tokens"][0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_part_of_other_rows_than_the_frames_is_refused_not_cut(tmp_path: Path) -> None:
+    """A part of 5 rows per clip beside the frames (``[B, 5, D]``) was cut to the 2 frames of
+    a short clip as if it were frames; it fails the item in one line naming the parts now."""
+    data = tmp_path / "clips"
+    write_audio_folder(data, 2, seconds=0.05, seed=3)
+    path = tmp_path / "queries.pt"
+    torch.jit.save(torch.jit.script(PooledBesideTokens(queries=True).eval()), str(path))
+    report = build(data, path, cache=tmp_path / "s", workers=0, batching="padded")
+    assert report.encoded == 0 and len(report.failed) == 2
+    said = report.failed[0][1]
+    assert "differ in their frames" in said and "queries" in said and "\n" not in said
+
+
+def test_a_negative_output_length_is_said_not_taken_for_inexact_padding() -> None:
+    """An ``out_lengths`` formula giving -1 for a short clip stored it as an empty item and
+    the guard blamed padding; the length is refused in one line saying what to fix."""
+    from featbake.encode.encoders import trim_rows
+
+    frames = {"tokens": torch.zeros(2, 3, 4)}
+    with pytest.raises(EncodeError, match="negative output length \\(-1\\)") as refused:
+        trim_rows(frames, torch.tensor([3, -1]), lambda t: t)
+    assert "\n" not in str(refused.value)
