@@ -765,6 +765,12 @@ def _load_model(folder: Path) -> Any:  # a transformers PreTrainedModel
             "encoders, ViT/DINOv2 models and CLIP/SigLIP models (whole or their vision "
             "tower) from a folder"
         )
+    if takes == "input_values" and getattr(model.config, "is_encoder_decoder", False):
+        raise EncoderLoadError(
+            f"{folder} holds a {type(model).__name__}, an encoder-decoder model whose forward "
+            "needs decoder inputs (Moonshine's); featbake runs wav2vec2-style audio encoders "
+            "from a folder: wrap its encoder in a module of your own (an import path)"
+        )
     if takes == "input_values" and not hasattr(model, "_get_feat_extract_output_lengths"):
         raise EncoderLoadError(f"{type(model).__name__} does not report its output lengths")
     return model.eval()

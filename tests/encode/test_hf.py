@@ -426,6 +426,27 @@ def test_a_preprocessor_config_that_is_not_settings_is_one_line(
     assert "internal error" not in res.stderr
 
 
+def test_an_encoder_decoder_audio_model_is_refused_up_front_in_one_line(
+    tmp_path: Path, clips: Path
+) -> None:
+    """Moonshine takes ``input_values`` and reports no decoder need at load: it was admitted,
+    every clip then failed with transformers' "specify exactly one of input_ids or
+    inputs_embeds" and the summary blamed the options (exit 3)."""
+    torch.manual_seed(0)
+    config = transformers.MoonshineConfig(
+        hidden_size=32, intermediate_size=64, encoder_num_hidden_layers=2,
+        decoder_num_hidden_layers=2, encoder_num_attention_heads=2,
+        decoder_num_attention_heads=2, vocab_size=100,
+    )  # fmt: skip
+    folder = tmp_path / "moonshine"
+    transformers.MoonshineModel(config).eval().save_pretrained(folder)
+    transformers.Wav2Vec2FeatureExtractor(sampling_rate=16000).save_pretrained(folder)
+    res = invoke("build", "-e", folder, "-d", clips, "--cache", tmp_path / "s")
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 4 and len(lines) == 1, res.stderr
+    assert "encoder-decoder" in lines[0] and "MoonshineModel" in lines[0], res.stderr
+
+
 def test_int8_layers_are_served_dequantised_in_the_order_asked(tmp_path: Path, clips: Path) -> None:
     """--layers all with --dtype int8: each layer stored packed, served dequantised, stacked;
     within half a code step of the model's hidden states now (the build pads its batches)."""
