@@ -26,6 +26,8 @@ if TYPE_CHECKING:  # torch is loaded where a dtype is asked for: a recipe is rea
 
 #: Bump when featbake's preprocessing changes in a way that changes outputs for the same options.
 RECIPE_VERSION = 1
+#: How a ``max_seconds`` crop is read (2: with the resampler's whole context), in its keys only.
+CROP_VERSION = 2
 
 #: The stored dtypes' names, as ``--dtype`` takes them.
 STORED_DTYPE_NAMES = ("float32", "float16", "bfloat16", "int8", "fp8")
@@ -296,6 +298,10 @@ class Recipe:
             fields["sample_rate"] = self.sample_rate
             fields["mono"] = self.mono
             fields["max_seconds"] = self.max_seconds
+            if self.max_seconds is not None:
+                # A crop reads the resampler's whole context (sources.crop_margin): crops made
+                # with 64 samples of it differ in their last samples, so they are keyed apart.
+                fields["crop"] = CROP_VERSION
             if self.normalize:
                 fields["normalize"] = True
         if self.source == "image":  # image steps join image keys only: audio keys stay

@@ -285,8 +285,12 @@ class AudioSource:
                     raise SourceError(f"{path}: {why}")
                 frames = last - first if span is not None else -1
                 if self.recipe.max_seconds is not None:
-                    # A little more than needed, so the resampler has context at the crop point.
-                    crop = int(np.ceil(self.recipe.max_seconds * rate)) + 64
+                    # More than needed, so the resampler has its whole filter's context at the
+                    # crop point: the crop equals resampling the whole file, then cropping (a
+                    # margin of 64 samples left the last ones up to 2e-2 off at 44.1-96 kHz).
+                    crop = int(np.ceil(self.recipe.max_seconds * rate)) + crop_margin(
+                        rate, self.recipe.sample_rate
+                    )
                     frames = crop if frames < 0 else min(frames, crop)
                 if first:
                     f.seek(first)
@@ -298,6 +302,19 @@ class AudioSource:
             # Bytes in memory are named by libsndfile as <_io.BytesIO object at 0x...>: the path.
             reason = last_line(e).replace(repr(data), repr(os.fspath(path)))
             raise SourceError(f"{path}: {why or 'cannot decode audio'} ({reason})") from e
+
+
+def crop_margin(rate: int, to: int) -> int:
+    """Samples at ``rate`` read past a ``--max-seconds`` crop, so that soxr's HQ filter
+    resampling to ``to`` Hz sees all it reads at the crop point: 4,096 a step of the rates'
+    ratio (measured on noise from 8 to 192 kHz: past 1,024 the crop is within float32's
+    rounding of resampling the whole file).
+
+    Example:
+        >>> crop_margin(16000, 16000), crop_margin(48000, 16000)
+        (4096, 12288)
+    """
+    return 4096 * max(1, -(-rate // max(to, 1)))
 
 
 def soxr_resample(audio: np.ndarray, rate: int, to: int) -> np.ndarray:

@@ -65,10 +65,10 @@ def test_max_seconds_crops_after_resampling(tmp_path: Path) -> None:
     got = AudioSource(Recipe(max_seconds=1.25)).load(path)
     assert got.shape == (20000,)
     whole = soxr.resample(clip, 44100, 16000, quality="HQ")[:, 0]
-    # Only the first 1.25 s (plus a little context) is decoded, so the last few samples, where
-    # the resampler sees the end of what was read, may differ slightly from resampling it all.
-    assert np.allclose(got.numpy()[:19900], whole[:19900], atol=1e-5)
-    assert np.abs(got.numpy() - whole[:20000]).max() < 0.05
+    # Only the first 1.25 s and the resampler's context are decoded, and the crop equals
+    # resampling it all to float32's rounding, its last samples too (a margin of 64 samples
+    # left them up to 1e-2 off).
+    assert np.abs(got.numpy() - whole[:20000]).max() < 1e-5
     short = AudioSource(Recipe(max_seconds=10)).load(path)  # longer than the file: no padding
     assert short.shape == whole.shape
 
