@@ -268,8 +268,8 @@ class ImageRecipe:
             ``mode`` (transformers' ``convert_to_rgb``); ``False`` takes such an image's
             pixels as saved, its transparency ignored, as a processor that does not convert
             to RGB (``do_convert_rgb`` false or unset: ViT's, DeiT's) reads them
-            (``np.array(image)``). An image in another mode is converted either way (such a
-            processor raises on it).
+            (``np.array(image)``), and a YCbCr, LAB or HSV image's bands as RGB's, as it does.
+            An image in another mode is converted either way (such a processor raises on it).
         exif: apply the EXIF orientation tag before anything else.
         hflip: this recipe is the horizontally flipped *view*: the image is mirrored before
             the transform (``--views hflip`` bakes it beside the original, under its own key).
@@ -356,6 +356,7 @@ class ImageRecipe:
         # A do_* flag set to null is off, as transformers reads it (``if do_center_crop:``).
         config = {k: False if v is None and k.startswith("do_") else v for k, v in config.items()}
         defaults = PROCESSOR_DEFAULTS.get(kind)
+        _refuse_null_settings(config, defaults, where)
         if defaults is not None:  # what the class does with a setting left out, or null
             given = {k: v for k, v in config.items() if v is not None}
             config = defaults.settings() | given
@@ -429,6 +430,38 @@ def describe_fields(fields: Mapping[str, Any]) -> str:
     if fields.get("composite") is False:
         bits.append("transparency-as-saved")
     return " ".join(bits)
+
+
+#: The settings each step of a processor needs, by the flag that turns the step on and its
+#: default where the class has none of its own.
+_STEP_SETTINGS = (
+    ("do_resize", True, ("size", "resample")),
+    ("do_center_crop", False, ("crop_size",)),
+    ("do_rescale", True, ("rescale_factor",)),
+    ("do_normalize", True, ("image_mean", "image_std")),
+)
+
+
+def _refuse_null_settings(
+    config: Mapping[str, Any], defaults: ProcessorDefaults | None, where: str
+) -> None:
+    """Raise where a step that is on has a setting set to null: transformers' processor raises
+    on it ("`crop_size` must be specified if `do_center_crop` is `True`"), where taking the
+    class's default made features of a transform the folder's processor never runs.
+
+    Raises:
+        ConfigError: such a setting, named with its step.
+    """
+    for flag, default, names in _STEP_SETTINGS:
+        if flag == "do_center_crop" and defaults is not None:
+            default = defaults.do_center_crop
+        nulls = [n for n in names if n in config and config[n] is None]
+        if config.get(flag, default) and nulls:
+            raise ConfigError(
+                f"{where} sets {' and '.join(nulls)} to null with {flag} on, which transformers' "
+                f"processor refuses; give {'them' if len(nulls) > 1 else 'it'} a value, or set "
+                f"{flag} to false"
+            )
 
 
 def _processor_resize(config: Mapping[str, Any], where: str, square: bool | None) -> Resize:

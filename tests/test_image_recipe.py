@@ -10,9 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
+from featbake.encode.images import transform
 from featbake.errors import ConfigError
 from featbake.image_recipe import (
     IMAGE_OPTIONS,
@@ -92,7 +95,11 @@ PARTIAL_CONFIGS = [
     {"size": 40, "crop_size": 32},
     {"size": 40, "do_center_crop": False},
     {"size": {"height": 48, "width": 40}, "do_center_crop": False, "resample": None},
+    {"size": {"height": 48, "width": 40}, "do_center_crop": False, "do_resize": None},
     {"image_mean": None, "image_std": None, "crop_size": {"height": 30, "width": 30}},
+    {"image_mean": None, "do_normalize": False, "size": 36},
+    {"do_center_crop": True, "crop_size": None, "size": 36},
+    {"rescale_factor": None, "size": 36},
     {"do_normalize": False, "do_rescale": False, "size": 36},
 ]
 
@@ -101,21 +108,34 @@ PARTIAL_CONFIGS = [
 def test_what_a_processor_config_leaves_out_is_what_transformers_class_gives(
     tmp_path: Path, kind: str
 ) -> None:
-    """A config read by featbake makes the recipe that the same processor's every setting,
-    as transformers resolves them (``AutoImageProcessor(...).to_dict()``), makes: the class's
-    defaults for what it leaves out, an int size as the class reads it. featbake took its
-    own (bilinear, no crop, an int size as a square without a crop): a CLIP config without
-    ``resample`` was resized bilinear, a BiT one without ``do_center_crop`` not cropped."""
+    """A config read by featbake transforms an image as the same processor, loaded by
+    transformers, does: the class's defaults for what it leaves out, an int size as the class
+    reads it. featbake took its own (bilinear, no crop, an int size as a square without a
+    crop): a CLIP config without ``resample`` was resized bilinear, a BiT one without
+    ``do_center_crop`` not cropped. A step that is on with a setting set to null is refused,
+    as transformers' processor refuses it (featbake took the class's default: a null
+    ``crop_size`` cropped to 224 x 224)."""
     transformers = pytest.importorskip("transformers")
     json = pytest.importorskip("json")
+    pixels = np.random.default_rng(1).integers(0, 256, (50, 70, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels)
     for i, partial in enumerate(PARTIAL_CONFIGS):
         config = {"image_processor_type": kind, **partial}
         folder = tmp_path / f"p{i}"
         folder.mkdir()
         (folder / "preprocessor_config.json").write_text(json.dumps(config))
         resolved = transformers.AutoImageProcessor.from_pretrained(folder, local_files_only=True)
-        want = ImageRecipe.from_processor(resolved.to_dict())
-        assert ImageRecipe.from_processor(config) == want, (kind, partial)
+        try:
+            want = resolved(images=image, return_tensors="pt")["pixel_values"][0]
+        except ValueError as e:
+            assert "specified" in str(e), (kind, partial, e)
+            with pytest.raises(ConfigError, match="null") as refused:
+                ImageRecipe.from_processor(config)
+            assert "\n" not in str(refused.value)
+            continue
+        steps = ImageRecipe.from_processor(config)
+        assert torch.equal(transform(image, steps), want), (kind, partial)
+        assert steps == ImageRecipe.from_processor(resolved.to_dict()), (kind, partial)
 
 
 def test_every_step_is_in_the_key_and_audio_keys_do_not_see_it() -> None:

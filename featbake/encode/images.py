@@ -227,6 +227,11 @@ def _tag(tags: Any, number: int, default: int) -> Any:
     return value[0] if isinstance(value, tuple) else value
 
 
+#: Modes of three 8-bit bands other than RGB: a processor that does not convert to RGB reads
+#: their bands as RGB's (``np.array(image)``).
+_THREE_BANDS = frozenset({"YCbCr", "LAB", "HSV"})
+
+
 def to_mode(
     image: Image.Image,
     mode: ColourMode,
@@ -235,8 +240,9 @@ def to_mode(
     composite: bool = True,
 ) -> Image.Image:
     """``image`` in ``mode``: 16-bit scaled to 8, transparency composited onto white; without
-    ``composite``, an image already in ``mode`` as it is (its transparency key ignored, as
-    ``np.array`` reads it: a processor that does not convert to RGB).
+    ``composite``, an image already in ``mode`` as it is (its transparency key ignored) and a
+    YCbCr, LAB or HSV one's bands taken as RGB's, as ``np.array`` reads them: a processor
+    that does not convert to RGB.
 
     Raises:
         SourceError: a floating-point image (mode ``F``): its range is unknown.
@@ -254,6 +260,9 @@ def to_mode(
         image = Image.fromarray(((np.clip(wide, 0, 65535) + 128) // 257).astype(np.uint8), "L")
     if image.mode == mode.value and not composite:
         return image
+    if not composite and mode is ColourMode.RGB and image.mode in _THREE_BANDS:
+        # np.array reads its three bands as they are, as if they were RGB (no conversion).
+        return Image.fromarray(np.asarray(image), "RGB")
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))

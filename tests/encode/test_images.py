@@ -217,3 +217,21 @@ def test_an_integer_tiff_of_unknown_range_is_refused_and_a_16_bit_one_scaled(
         decode_image(tmp_path / "wide.tif", plain())
     Image.fromarray((values * 257).astype(np.uint16)).save(tmp_path / "deep.tif")
     assert pixels(tmp_path / "deep.tif")[..., 0].tolist() == values.tolist()
+
+
+@pytest.mark.parametrize("kind", ["ViT", "CLIP"])
+@pytest.mark.parametrize("mode", ["YCbCr", "LAB"])
+def test_a_ycbcr_or_lab_tiff_is_read_as_the_processor_reads_it(
+    tmp_path: Path, kind: str, mode: str
+) -> None:
+    """ViT's processor does not convert to RGB: it reads a YCbCr or LAB TIFF's three bands
+    as if they were RGB (``np.array``); CLIP's converts. featbake converted for both (ViT's
+    pixels 1.1 off). The reference is the file opened by Pillow, as a user hands it over."""
+    kw = {"size": {"height": 32, "width": 32}} if kind == "ViT" else {}
+    proc = make_processor(kind, **kw)
+    steps = ImageRecipe.from_processor(proc.to_dict())
+    path = tmp_path / f"odd.{mode}.tiff"
+    noise(40, 56, seed=2).convert(mode).save(path)
+    with Image.open(path) as opened:
+        want = proc(images=opened, return_tensors="pt")["pixel_values"][0]
+    assert torch.equal(transform(decode_image(path, steps), steps), want)
