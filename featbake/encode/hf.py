@@ -92,11 +92,29 @@ class VisionTower(NamedTuple):
 
 
 def vision_tower(model: Any) -> VisionTower | None:
-    """The vision tower of a whole image-text model, or None for any other model."""
+    """The vision tower of a whole image-text model, or of a tower saved with its projection
+    (``CLIPVisionModelWithProjection``: IP-Adapter's image encoder), or None for any other."""
     tower = getattr(model, "vision_model", None)
-    if tower is None or not hasattr(model, "get_image_features"):
+    projection = getattr(model, "visual_projection", None)
+    if tower is None or not (hasattr(model, "get_image_features") or projection is not None):
         return None
-    return VisionTower(tower, getattr(model, "visual_projection", None))
+    return VisionTower(tower, projection)
+
+
+#: Vision classes whose folders featbake loads by their own class (``AutoModel`` builds the
+#: tower alone, dropping the trained projection).
+VISION_CLASSES = frozenset({"CLIPVisionModelWithProjection"})
+
+
+def vision_class_name(folder: Path) -> str:
+    """The transformers class a folder is loaded as: its own where it is one of
+    :data:`VISION_CLASSES`, else ``AutoModel``."""
+    try:
+        architectures = read_config(folder).get("architectures") or []
+    except EncoderLoadError:
+        return "AutoModel"  # the load says why
+    named = architectures[0] if architectures else None
+    return str(named) if named in VISION_CLASSES else "AutoModel"
 
 
 class HFVisionEncoder(nn.Module):
@@ -752,10 +770,11 @@ def only_pooler_missing(model: Any, info: dict[str, Any]) -> bool:
 
 
 def _load_model(folder: Path) -> Any:  # a transformers PreTrainedModel
-    model, info = _from_pretrained(folder)
+    model_class = vision_class_name(folder)
+    model, info = _from_pretrained(folder, model_class)
     if only_pooler_missing(model, info):
         # Saved headless: load it so (no random head), and serve what the weights cover.
-        model, info = _from_pretrained(folder, add_pooling_layer=False)
+        model, info = _from_pretrained(folder, model_class, add_pooling_layer=False)
     check_loading_info(folder, without_head_weights(model, info))
     takes = getattr(model, "main_input_name", None)
     if takes not in ("input_values", "pixel_values") and vision_tower(model) is None:

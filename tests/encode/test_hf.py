@@ -957,6 +957,35 @@ def test_a_model_of_stages_builds_and_refuses_layers_in_one_line(
     assert "num_hidden_layers" in lines[0] and "internal error" not in lines[0], res.stderr
 
 
+def test_a_clip_vision_tower_saved_with_its_projection_serves_image_embeds(
+    tmp_path: Path, vision_images: Path
+) -> None:
+    """A ``CLIPVisionModelWithProjection`` folder (IP-Adapter's and Stable Diffusion's image
+    encoders) was loaded as ``AutoModel`` builds it, its trained ``visual_projection``
+    dropped without a word: no ``image_embeds``. It is loaded by its own class now, and each
+    part equals that class run now."""
+    torch.manual_seed(0)
+    config = transformers.CLIPVisionConfig(
+        **TINY_FOLDERS, **PATCH, intermediate_size=64, projection_dim=16
+    )
+    folder = tmp_path / "image-encoder"
+    transformers.CLIPVisionModelWithProjection(config).eval().save_pretrained(folder)
+    processor("CLIP", size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+              ).save_pretrained(folder)  # fmt: skip
+    assert build(vision_images, folder, cache=tmp_path / "s", workers=0).encoded == 4
+    ds = CachedFeatureDataset(vision_images, folder, cache=tmp_path / "s", on_miss="error")
+    model = transformers.CLIPVisionModelWithProjection.from_pretrained(folder).eval()
+    proc = transformers.AutoImageProcessor.from_pretrained(folder)
+    for i in range(len(ds)):
+        image = decode_image(Path(ds.path(i)), ds.recipe.image_steps)
+        with torch.inference_mode():
+            want = model(**proc(images=image, return_tensors="pt"))
+        got = ds[i]
+        assert set(got) == {"image_embeds", "pooled", "tokens"}
+        assert rel_error(got["image_embeds"], want.image_embeds[0]) < 1e-5, ds.path(i)
+        assert rel_error(got["tokens"], want.last_hidden_state[0]) < 1e-5, ds.path(i)
+
+
 def save_whole_model(folder: Path, kind: str) -> Path:
     """A whole image-text model (both towers), saved as a download gives it."""
     torch.manual_seed(0)
