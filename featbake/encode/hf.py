@@ -147,10 +147,11 @@ class HFVisionEncoder(nn.Module):
         if self.layers is not None:
             return {part_name(k): out.hidden_states[k] for k in self.layers}
         tokens = out.last_hidden_state
-        pooled = getattr(out, "pooler_output", None)
-        if not self.pooled or pooled is None:  # no pooling head: its tokens alone
+        if not self.pooled:  # no pooling head: its tokens alone
             return {TOKENS: tokens}
-        parts = {POOLED: pooled, TOKENS: tokens}
+        pooled = getattr(out, "pooler_output", None)
+        # No pooler output (ViTMSN, ViTMAE): the CLS row, which their own heads read.
+        parts = {POOLED: tokens[:, 0] if pooled is None else pooled, TOKENS: tokens}
         if self.embeds:
             project = self.projection
             parts[IMAGE_EMBEDS] = parts[POOLED] if project is None else project(parts[POOLED])

@@ -907,10 +907,10 @@ def _safetensors_floats(folder: Path) -> set[str] | None:
 
 
 def _pickled_floats(folder: Path) -> set[str]:
-    """The floating dtypes of the first ``pytorch_model.bin`` file of a folder (the one
-    transformers' "auto" reads), loaded as transformers loads it for that (``weights_only``,
-    on the meta device); empty where there is none or it cannot be read (the model's load
-    says why)."""
+    """The dtype of the first floating tensor of the first ``pytorch_model.bin`` file of a
+    folder (what transformers' "auto" takes), loaded as transformers loads it for that
+    (``weights_only``, on the meta device); empty where there is none or it cannot be read
+    (the model's load says why)."""
     import torch  # only where a folder has no safetensors weights
 
     first = _shard_names(folder, "pytorch_model.bin.index.json", "pytorch_model.bin")[0]
@@ -919,11 +919,12 @@ def _pickled_floats(folder: Path) -> set[str]:
     except Exception:  # an unreadable file is the model's load to report
         return set()
     tensors = state.values() if isinstance(state, dict) else ()
-    return {
-        str(t.dtype).removeprefix("torch.")
-        for t in tensors
-        if isinstance(t, torch.Tensor) and t.is_floating_point()
-    }
+    # The first floating tensor's alone, as transformers' get_state_dict_dtype takes it (a
+    # float32 file holding some float16 tensors loads in float32).
+    found = next(
+        (t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()), None
+    )
+    return set() if found is None else {str(found.dtype).removeprefix("torch.")}
 
 
 def _transformer_config(folder: Path) -> tuple[dict[str, Any], Path]:
