@@ -151,6 +151,19 @@ def first_line(e: BaseException) -> str:
     return text[0].strip() if text else type(e).__name__
 
 
+def brief(e: BaseException, limit: int = 300) -> str:
+    r"""``e``'s message on one line, cut after ``limit`` characters (its class's name if it has
+    none): for a library's error whose detail is on its later lines but may run to thousands
+    of characters (transformers' list of every config class ``AutoModel`` knows).
+
+    Example:
+        >>> brief(ValueError("bad shape:\n  expected 3\n  got 4")), brief(ValueError("x" * 9), 4)
+        ('bad shape: expected 3 got 4', 'xxxx...')
+    """
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def last_line(e: BaseException) -> str:
     """The last line of ``e``'s message (its class's name if it has none): for errors whose
     last line holds the cause (a decoder's, after its own context lines)."""

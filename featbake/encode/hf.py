@@ -33,6 +33,8 @@ from featbake.encode.fingerprints import FolderState
 from featbake.encode.hf_folders import (
     AUDIO_PARTS,
     PREPROCESSOR_FILE,
+    TEXT_TOWER,
+    VISION_TOWER,
     DenseLayer,
     LoadingArguments,
     Normalizing,
@@ -55,7 +57,7 @@ from featbake.encode.hf_folders import (
     transformer_subfolder,
 )
 from featbake.encode.outputs import layers_to_run, part_name, resolve_layers
-from featbake.errors import ConfigError, EncoderLoadError, first_line
+from featbake.errors import ConfigError, EncoderLoadError, brief, first_line
 from featbake.keys import module_fingerprint
 from featbake.recipe import Recipe, TextRecipe
 
@@ -104,17 +106,6 @@ def vision_tower(model: Any) -> VisionTower | None:
 #: Vision classes whose folders featbake loads by their own class (``AutoModel`` builds the
 #: tower alone, dropping the trained projection).
 VISION_CLASSES = frozenset({"CLIPVisionModelWithProjection"})
-
-
-def vision_class_name(folder: Path) -> str:
-    """The transformers class a folder is loaded as: its own where it is one of
-    :data:`VISION_CLASSES`, else ``AutoModel``."""
-    try:
-        architectures = read_config(folder).get("architectures") or []
-    except EncoderLoadError:
-        return "AutoModel"  # the load says why
-    named = architectures[0] if architectures else None
-    return str(named) if named in VISION_CLASSES else "AutoModel"
 
 
 class HFVisionEncoder(nn.Module):
@@ -185,18 +176,12 @@ TEXT_EMBEDS = "text_embeds"
 SENTENCE_EMBEDDING = "sentence_embedding"
 #: Files a tokenizer is read from; those present are hashed into the recipe.
 ENCODER_ONLY = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
+#: Model types whose text model pools its last position, padding included (SigLIP's: run on
+#: texts padded to ``max_length`` without a mask), so a text's features depend on its padding:
+#: refused (a batch padded and masked per batch gives other features than the model's users).
+LAST_POSITION_TEXT = frozenset({"siglip", "siglip_text_model", "siglip2", "siglip2_text_model"})
 #: Classes whose folders featbake loads by their own class (``AutoModel`` drops the projection).
 TEXT_CLASSES = frozenset({"CLIPTextModelWithProjection", *ENCODER_ONLY.values()})
-
-
-def text_class_name(config: dict[str, Any]) -> str:
-    """The transformers class a text folder is loaded as: its own where ``AutoModel`` would
-    build another (T5's decoder, CLIP without its projection), else ``AutoModel``."""
-    architectures = config.get("architectures") or []
-    named = architectures[0] if architectures else None
-    if named in TEXT_CLASSES:
-        return str(named)
-    return ENCODER_ONLY.get(str(config.get("model_type")), "AutoModel")
 
 
 def _pool_cls(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -339,7 +324,7 @@ def sentence_head(folder: Path, pipeline: SentencePipeline) -> SentenceHead:
         except RuntimeError as e:
             raise SentenceModuleUnsupported(
                 f"the weights in {folder / step.folder} do not fit its config.json "
-                f"({' '.join(str(e).split())[:200]}); save the model again"
+                f"({brief(e, 200)}); save the model again"
             ) from e
         after.append(dense.eval())
     skip = prompt_tokens_left_out(folder, pipeline)
@@ -474,7 +459,14 @@ def _load_text_model(
     :func:`folder_identity` keys."""
     loading = loading or LoadingArguments()
     config = read_config(folder)
-    name = text_class_name(config)
+    if config.get("model_type") in LAST_POSITION_TEXT:
+        raise EncoderLoadError(
+            f"{folder} holds a SigLIP text model ({config.get('model_type')}), which pools its "
+            "last position with padding attended (it is run on texts padded to max_length, "
+            "unmasked); featbake masks the padding of its batches, so it does not run it: "
+            "encode its texts yourself (padding='max_length')"
+        )
+    name = class_name(config, TEXT_CLASSES, ENCODER_ONLY.get(str(config.get("model_type"))))
     kwargs: dict[str, Any] = dict(loading.model)
     if loading.config:
         kwargs["config"] = _config_with(folder, loading.config)
@@ -517,8 +509,9 @@ def _text_encoder(
     sentence-transformers folder's transformer read where it is (:func:`transformer_folder`)
     and as sentence-transformers loads it (:func:`loading_arguments`)."""
     model = _load_text_model(transformer_folder(path), loading_arguments(path))
-    num = int(getattr(model.config, "num_hidden_layers", 0) or 0)
-    chosen = None if layers is None else resolve_layers(layers, num)
+    chosen = (
+        None if layers is None else resolve_layers(layers, _config_layers(path, model, TEXT_TOWER))
+    )
     projection = getattr(model, "text_projection", None)
     runs = model.text_model if projection is not None else model  # CLIP: pooled, then project
     pad_id = getattr(model.config, "pad_token_id", None)
@@ -629,7 +622,8 @@ def recipe_for_folder(folder: str | os.PathLike[str], recipe: Recipe) -> Recipe:
         pre = Preprocessor.of_folder(folder)
         changes = {"sample_rate": pre.sampling_rate, "normalize": pre.do_normalize}
     if recipe.layers is not None:
-        changes["layers"] = resolve_layers(recipe.layers, _num_layers(folder))
+        tower = TEXT_TOWER if changes.get("source") == "text" else VISION_TOWER
+        changes["layers"] = resolve_layers(recipe.layers, _num_layers(folder, tower))
     return recipe.replace(**changes)
 
 
@@ -669,35 +663,35 @@ def check_recipe_supported(encoder: LoadedEncoder, recipe: Recipe) -> None:
         raise ConfigError("layers='all' must be resolved against the model (recipe_for_folder)")
 
 
-def _config_layers(folder: Path, model: Any) -> int:
-    """The number of layers ``--layers`` counts in a loaded model (its config's
-    ``num_hidden_layers``), asked only where layers are.
+def _config_layers(folder: Path, model: Any, tower: str = VISION_TOWER) -> int:
+    """The number of layers ``--layers`` counts in a loaded model (:func:`layer_count` of its
+    config), asked only where layers are."""
+    return layer_count(folder, model.config.to_dict(), tower)
+
+
+def _num_layers(folder: str | os.PathLike[str], tower: str) -> int:
+    """The number of layers ``--layers`` counts in a folder's model (:func:`layer_count`),
+    read from its config.json before the model is loaded."""
+    return layer_count(folder, read_config(transformer_folder(folder)), tower)
+
+
+def layer_count(folder: str | os.PathLike[str], config: dict[str, Any], tower: str) -> int:
+    """The number of layers in ``config`` (of ``tower`` in a whole image-text model): its
+    ``num_hidden_layers``, by whatever name the model gives it (GPT-2's ``n_layer``, T5's
+    ``num_layers``).
 
     Raises:
-        ConfigError: the config names none (BiT's and Swin's stages are ``depths``: their
-            hidden states are no one layer's).
+        ConfigError: the config names none, or its model has stages (BiT's and Swin's
+            ``depths``: their hidden states are no one layer's, each of its own shape).
     """
-    config = tower_config(model.config.to_dict())
-    if "num_hidden_layers" not in config:
+    settings = tower_config(config, tower)
+    if "depths" in settings or "num_hidden_layers" not in settings:
+        staged = " (its model has stages, not layers)" if "depths" in settings else ""
         raise ConfigError(
-            f"{folder} has no num_hidden_layers in config.json ({type(model).__name__} has "
-            "stages, not layers); --layers needs it: leave --layers out"
+            f"{folder} has no num_hidden_layers in config.json{staged}; --layers needs it: "
+            "leave --layers out"
         )
-    return int(config["num_hidden_layers"])
-
-
-def _num_layers(folder: str | os.PathLike[str]) -> int:
-    model_folder = transformer_folder(folder)
-    try:
-        config = json.loads((model_folder / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise EncoderLoadError(f"cannot read {model_folder}/config.json: {e}") from e
-    config = tower_config(config)
-    if "num_hidden_layers" not in config and "num_layers" in config:  # T5's name for it
-        return int(config["num_layers"])
-    if "num_hidden_layers" not in config:
-        raise ConfigError(f"{folder} has no num_hidden_layers in config.json; --layers needs it")
-    return int(config["num_hidden_layers"])
+    return int(settings["num_hidden_layers"])
 
 
 class HFSpeechEncoder(nn.Module):
@@ -730,6 +724,18 @@ class HFSpeechEncoder(nn.Module):
 POOLER_PREFIX = "pooler."
 
 
+def class_name(config: dict[str, Any], own: frozenset[str], fallback: str | None = None) -> str:
+    """The transformers class a folder's model is loaded as: the class its config names first
+    (``architectures[0]``) where it is one of ``own`` (``AutoModel`` would build another: CLIP
+    without its projection, T5 with its decoder), else ``fallback`` (T5's encoder, by its
+    model type), else ``AutoModel``."""
+    architectures = config.get("architectures") or []
+    named = str(architectures[0]) if architectures else None
+    if named is not None and named in own:
+        return named
+    return fallback or "AutoModel"
+
+
 def _from_pretrained(
     folder: Path, model_class: str = "AutoModel", **kwargs: Any
 ) -> tuple[Any, dict[str, Any]]:
@@ -757,7 +763,7 @@ def _from_pretrained(
             **kwargs,
         )
     except Exception as e:
-        raise EncoderLoadError(f"transformers cannot load {folder}: {e}") from e
+        raise EncoderLoadError(f"transformers cannot load {folder}: {brief(e)}") from e
     finally:
         hf_logging.set_verbosity(verbosity)
     return model, info
@@ -771,7 +777,7 @@ def only_pooler_missing(model: Any, info: dict[str, Any]) -> bool:
 
 
 def _load_model(folder: Path) -> Any:  # a transformers PreTrainedModel
-    model_class = vision_class_name(folder)
+    model_class = class_name(read_config(folder), VISION_CLASSES)
     model, info = _from_pretrained(folder, model_class)
     if only_pooler_missing(model, info):
         # Saved headless: load it so (no random head), and serve what the weights cover.

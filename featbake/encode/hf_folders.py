@@ -90,10 +90,38 @@ def _settings_file(path: Path) -> dict[str, Any] | None:
     return raw
 
 
-def tower_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The settings of the model featbake runs: a whole model's ``vision_config``, else all."""
-    vision = config.get("vision_config")
-    return vision if isinstance(vision, dict) and "num_hidden_layers" not in config else config
+#: A whole image-text model's settings of each tower (CLIP's, SigLIP's).
+VISION_TOWER, TEXT_TOWER = "vision_config", "text_config"
+
+
+def tower_config(config: dict[str, Any], tower: str = VISION_TOWER) -> dict[str, Any]:
+    """The settings of the model featbake runs: a whole model's ``tower`` settings (its
+    ``vision_config`` for images, its ``text_config`` for texts), else all, with transformers'
+    standard names (:func:`standard_names`)."""
+    found = config.get(tower)
+    whole = isinstance(found, dict) and "num_hidden_layers" not in config
+    return standard_names(found if whole else config)  # type: ignore[arg-type]
+
+
+def standard_names(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with each setting its model names its own way also under transformers'
+    standard name, as the config's ``attribute_map`` reads it (GPT-2's ``n_positions`` as
+    ``max_position_embeddings``, its ``n_layer`` and T5's ``num_layers`` as
+    ``num_hidden_layers``): read by their standard names, GPT-2's limit was missed and every
+    text past 512 tokens failed at its position table's end.
+
+    Example:
+        >>> standard_names({"model_type": "gpt2", "n_positions": 40})["max_position_embeddings"]
+        40
+    """
+    try:
+        from transformers import CONFIG_MAPPING
+
+        aliases = dict(getattr(CONFIG_MAPPING[str(config.get("model_type"))], "attribute_map", {}))
+    except (ImportError, KeyError):
+        return config  # no transformers, or a model type it does not know: names as saved
+    named = {std: config[own] for std, own in aliases.items() if own in config}
+    return {**named, **config}
 
 
 def image_processor_config(folder: str | os.PathLike[str]) -> ProcessorSettings | None:
@@ -425,7 +453,7 @@ def text_recipe_for_folder(folder: str | os.PathLike[str], **changes: Any) -> Te
         )
     tokenizer = load_tokenizer(path)
     overrides = loading_arguments(path).config
-    config = tower_config({**read_config(transformer_folder(path)), **overrides})
+    config = tower_config({**read_config(transformer_folder(path)), **overrides}, TEXT_TOWER)
     positions = token_positions(config)
     sentence = sentence_pipeline(path) or SentencePipeline()
     stated = sentence.max_seq_length or int(getattr(tokenizer, "model_max_length", 0) or 0)

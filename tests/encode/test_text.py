@@ -1038,3 +1038,131 @@ def test_a_string_view_or_dictionary_text_column_is_text(
         want = transformers_outputs(bert, text)
         for part, value in want.parts.items():
             assert rel_error(ds[i][part], value) < TOLERANCE, (text, part)
+
+
+def save_gpt2(folder: Path, positions: int) -> Path:
+    """A GPT-2 (its limit is ``n_positions``, its layers ``n_layer``) with a byte-level BPE
+    tokenizer trained here, stating no limit of its own."""
+    tokenizers = pytest.importorskip("tokenizers")
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator(TEXTS * 3, vocab_size=300, special_tokens=["<|endoftext|>"])
+    folder.mkdir(parents=True)
+    bpe.save_model(str(folder))
+    tokenizer = transformers.GPT2TokenizerFast.from_pretrained(str(folder))
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(6)
+    config = transformers.GPT2Config(
+        vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=positions,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    transformers.GPT2Model(config).eval().save_pretrained(folder)
+    return folder
+
+
+def test_a_gpt2_text_is_cut_at_its_n_positions(tmp_path: Path) -> None:
+    """GPT-2 names its limit ``n_positions`` (``max_position_embeddings`` through its config's
+    ``attribute_map``): read by the standard name alone, the limit was taken as 512, and every
+    text past the model's positions failed with ``IndexError`` (exit 3) while a larger
+    --max-tokens was taken. Cut where the model ends, served equal to transformers run now;
+    --max-tokens past it and --layers count by its own names."""
+    folder = save_gpt2(tmp_path / "gpt2", positions=12)
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "long.txt").write_text(" ".join(TEXTS), encoding="utf-8")
+    (texts / "short.txt").write_text(TEXTS[1], encoding="utf-8")
+    report = build(texts, folder, cache=tmp_path / "store", workers=0)
+    assert report.encoded == 2 and not report.failed, report.failed
+    ds = CachedFeatureDataset(
+        texts, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
+    )
+    assert ds.recipe.text is not None and ds.recipe.text.max_length == 12
+    model = transformers.GPT2Model.from_pretrained(str(folder)).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    for i in range(len(ds)):
+        enc = tokenizer(Path(ds.path(i)).read_text(), truncation=True, max_length=12)
+        with torch.inference_mode():
+            want = model(input_ids=torch.tensor([enc["input_ids"]])).last_hidden_state[0]
+        assert set(ds[i]) == {"tokens"}
+        assert rel_error(ds[i]["tokens"], want) < TOLERANCE
+    lengths = {Path(ds.path(i)).name: ds[i]["tokens"].shape[0] for i in range(len(ds))}
+    assert lengths["long.txt"] == 12 and lengths["short.txt"] < 12
+    with pytest.raises(ConfigError, match="past the 12 tokens"):
+        text_recipe_for_folder(folder, max_length=13)
+    layered = recipe_for_encoder(folder, Recipe(source="text", layers="all"))
+    assert layered.layers == (0, 1, 2)
+
+
+def test_a_whole_clip_folders_text_recipe_reads_its_text_tower(tmp_path: Path) -> None:
+    """A whole ``CLIPModel`` folder given a tokenizer encodes texts with its text tower: its
+    limit and layers are the text config's (the vision config's were read: no limit, so a
+    text past 24 tokens failed in the model; --layers counted the vision tower's 3 layers).
+    Served equal to the text tower and projection run now."""
+    tokenizer = clip_tokenizer()
+    torch.manual_seed(7)
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=24, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        image_size=16, patch_size=8,
+    )  # fmt: skip
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    folder = tmp_path / "clip-whole"
+    transformers.CLIPModel(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "long.txt").write_text(" ".join(["the cat sat on the mat"] * 8), encoding="utf-8")
+    (texts / "short.txt").write_text(TEXTS[0], encoding="utf-8")
+    report = build(texts, folder, cache=tmp_path / "store", workers=0)
+    assert report.encoded == 2 and not report.failed, report.failed
+    ds = CachedFeatureDataset(
+        texts, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
+    )
+    assert ds.recipe.text is not None and ds.recipe.text.max_length == 24
+    model = transformers.CLIPModel.from_pretrained(str(folder)).eval()
+    for i in range(len(ds)):
+        enc = tokenizer(Path(ds.path(i)).read_text(), truncation=True, max_length=24)
+        with torch.inference_mode():
+            out = model.text_model(input_ids=torch.tensor([enc["input_ids"]]))
+            embeds = model.text_projection(out.pooler_output)
+        got = ds[i]
+        assert rel_error(got["tokens"], out.last_hidden_state[0]) < TOLERANCE
+        assert rel_error(got["pooled"], out.pooler_output[0]) < TOLERANCE
+        assert rel_error(got["text_embeds"], embeds[0]) < TOLERANCE
+    layered = recipe_for_encoder(folder, Recipe(source="text", layers="all"))
+    assert layered.layers == (0, 1, 2)
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_siglip_text_model_is_refused_in_one_line(tmp_path: Path, whole: bool) -> None:
+    """SigLIP's text model pools its last position, padding included (it is run on texts
+    padded to ``max_length``, unmasked): featbake's batches are padded per batch and masked,
+    so its features would not be the model's users'. A ``SiglipTextModel`` folder failed in
+    one line of 11,000 characters listing every config class; a whole ``SiglipModel`` folder
+    with a tokenizer failed on every batch. Both are refused at load in one line."""
+    t5 = save_t5(tmp_path / "t5")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(t5))
+    text = transformers.SiglipTextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=16, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    if whole:
+        vision = transformers.SiglipVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            image_size=16, patch_size=8,
+        )  # fmt: skip
+        config = transformers.SiglipConfig(
+            text_config=text.to_dict(), vision_config=vision.to_dict()
+        )
+        model: Any = transformers.SiglipModel(config)
+    else:
+        model = transformers.SiglipTextModel(text)
+    folder = tmp_path / "siglip"
+    model.eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with pytest.raises(EncoderLoadError, match="SigLIP text model") as caught:
+        load_encoder(folder)
+    assert "\n" not in str(caught.value) and len(str(caught.value)) < 400
