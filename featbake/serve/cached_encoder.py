@@ -136,16 +136,29 @@ def row_digest(row: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def id_digest(ident: Any) -> str:
-    """SHA-256 of an id by its exact content and type (``"1"``, ``1`` and ``b"1"`` differ).
+def id_digest(ident: Any, form: str = "") -> str:
+    """SHA-256 of an id by its exact content and type (``"1"``, ``1`` and ``b"1"`` differ),
+    with its row's ``form`` (:func:`row_form`: the same id padded to another length is
+    another input, and was served the other length's features).
 
     Raises:
         ConfigError: the id is not a string, bytes, Python or numpy number, bool, None, path,
             tensor, numpy array (of numbers, strings or bytes), or a tuple or list of those.
     """
-    h = hashlib.sha256(b"id\0")
+    h = hashlib.sha256(f"id\0{form}\0".encode())
     _feed(h, ident)
     return h.hexdigest()
+
+
+def row_form(x: torch.Tensor) -> str:
+    """The dtype and shape each row of ``x`` has, keyed beside its id: a clip padded to the
+    batch's longest is another input in each batch of another length.
+
+    Example:
+        >>> row_form(torch.zeros(2, 8000)), row_form(torch.zeros(3, 80, 100, dtype=torch.half))
+        ('torch.float32 [8000]', 'torch.float16 [80, 100]')
+    """
+    return f"{x.dtype} {list(x.shape[1:])}"
 
 
 def _feed(h: Any, value: Any) -> None:
@@ -1405,6 +1418,42 @@ def _split(result: Any, batch: int) -> dict[str, torch.Tensor]:
     return parts
 
 
+def refuse_dependent_rows(
+    encoder: nn.Module, x: torch.Tensor, parts: dict[str, torch.Tensor]
+) -> None:
+    """Check, once, that ``x``'s rows are independent inputs: its last row encoded alone gives
+    its row of the batch's outputs (up to the rounding of a smaller batch). A module whose
+    dimension 0 is time (``nn.LSTM``'s and ``nn.TransformerEncoder``'s default
+    ``batch_first=False``: ``[T, B, D]``) had each time step cached as a row and served, in a
+    later call sharing some, time steps of other sequences (3.0 off, no warning).
+
+    Raises:
+        EncodeError: the row alone gives other outputs (or none of one row).
+    """
+    alone = _split(encoder(x[-1:]), 1)
+    for name, whole in parts.items():
+        one, row = alone.get(name), whole[-1]
+        if one is None or one[0].shape != row.shape or not _close(one[0], row):
+            raise EncodeError(
+                f"the encoder's output {name or 'tensor'} for a batch's last row differs when "
+                "that row is encoded alone: CachedEncoder caches dimension 0 of x as "
+                "independent rows, and this encoder's rows are not (a time-first module, "
+                "batch_first=False, takes [T, B, D]; or one that mixes a batch's rows): pass "
+                "x as [B, ...] (batch_first=True, or transpose in a wrapper module)"
+            )
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal up to the rounding a smaller batch may bring (float32: 1e-3 of the largest
+    value; a half-precision dtype's: 5e-2); other dtypes exactly."""
+    if not (got.is_floating_point() and want.is_floating_point()):
+        return bool(torch.equal(got, want))
+    tolerance = 1e-3 if want.dtype in (torch.float32, torch.float64) else 5e-2
+    scale = want.detach().float().abs().max().item()
+    diff = (got.detach().float() - want.detach().float()).abs().max().item()
+    return diff <= tolerance * scale + 1e-6
+
+
 def own_storage(t: torch.Tensor) -> torch.Tensor:
     """``t`` where it alone fills its storage (a row just copied to the device), else a copy
     of it (a row of the encoder's output batch): what a cache tier may keep, holding nothing
@@ -1489,11 +1538,13 @@ class CachedEncoder(ProcessLocalState, nn.Module):
             will be (quantised, then dequantised), so hits and misses agree.
 
     Keys come from ``ids`` when given (one per row, e.g. a file path, an utterance id or an id
-    tensor, keyed by its exact content: the caller promises that an id always names the same
-    input), else from each row's
-    dtype, shape and bytes (which costs a copy to the host for a CUDA input). Results equal
-    calling the encoder directly, up to the batch-size-dependent rounding of its kernels, since
-    misses are encoded as a smaller batch.
+    tensor, keyed by its exact content and the row's dtype and shape: the caller promises that
+    an id at one padded length always names the same input), else from each row's dtype, shape
+    and bytes (which costs a copy to the host for a CUDA input). Results equal calling the
+    encoder directly, up to the batch-size-dependent rounding of its kernels, since misses are
+    encoded as a smaller batch. Dimension 0 of ``x`` must be independent rows: the first call
+    that encodes several rows encodes its last row alone once more to check it, and refuses a
+    time-first (``batch_first=False``) module.
 
     Example:
         >>> teacher = CachedEncoder(frozen_teacher, cache=".featbake")  # doctest: +SKIP
@@ -1538,6 +1589,8 @@ class CachedEncoder(ProcessLocalState, nn.Module):
         # write-backs sealed into fragments the place keeps (a bucket: uploaded after their
         # shards), found by other processes once `featbake merge` folded them in.
         self._shared = self._layout is not None and place_of(self._layout).serving_mode()
+        # Whether a batch's last row, encoded alone, was seen to equal its row of the batch.
+        self._rows_checked = False
         self.stats = {
             "hits_device": 0, "hits_ram": 0, "hits_store": 0, "hits_pending": 0, "encoded": 0
         }  # fmt: skip
@@ -1630,7 +1683,11 @@ class CachedEncoder(ProcessLocalState, nn.Module):
             with torch.no_grad():
                 return self.encoder(x)
         enc_fp = self.fingerprint()
-        digests = [id_digest(i) for i in ids] if ids is not None else [row_digest(r) for r in x]
+        if ids is not None:
+            form = row_form(x)
+            digests = [id_digest(i, form) for i in ids]
+        else:
+            digests = [row_digest(r) for r in x]
         recipe_fp = self._recipe_fp_under(autocast_now(module_device(self.encoder) or x.device))
         keys = [feature_key(enc_fp, recipe_fp, d) for d in digests]
         rows, todo = self._lookup(keys)
@@ -1639,6 +1696,9 @@ class CachedEncoder(ProcessLocalState, nn.Module):
             sub = x[todo] if len(todo) < batch else x
             with torch.no_grad():
                 parts = _split(self.encoder(sub), len(todo))
+                if not self._rows_checked and len(todo) > 1:
+                    refuse_dependent_rows(self.encoder, sub, parts)
+                    self._rows_checked = True
             self._watch.ran()
             self.stats["encoded"] += len(todo)
             out_device = next(iter(parts.values())).device

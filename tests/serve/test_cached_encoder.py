@@ -71,16 +71,21 @@ def same(a, b) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+#: Rows a wrapper's first call of several misses runs once more: its last row alone, to see
+#: that the rows are independent (:func:`refuse_dependent_rows`).
+CHECKED = 1
+
+
 def test_mixed_hits_and_misses_equal_bare_encoder(tmp_path) -> None:
     enc = frozen(Counting(TinyConvEncoder()))
     ce = CachedEncoder(enc, cache=tmp_path / "store")
     x = waves(6)
     ids = [f"utt{i}" for i in range(6)]
     same(ce(x[:3], ids=ids[:3]), enc.inner(x[:3]))
-    assert enc.rows == 3
+    assert enc.rows == 3 + CHECKED
     mixed = ce(x[[4, 0, 5, 1]], ids=[ids[4], ids[0], ids[5], ids[1]])
     same(mixed, enc.inner(x[[4, 0, 5, 1]]))
-    assert enc.rows == 5  # only the two new rows were encoded, in one batch
+    assert enc.rows == 5 + CHECKED  # only the two new rows were encoded, in one batch
     info = ce.cache_info()
     assert info["hits_ram"] == 2 and info["encoded"] == 5
     ce.flush()
@@ -137,7 +142,7 @@ def test_keys_from_row_bytes_without_ids(tmp_path) -> None:
     y = x.clone()
     y[2, 100] += 0.25  # one changed sample: that row is a new input
     same(ce(y), enc.inner(y))
-    assert enc.rows == 5
+    assert enc.rows == 5 + CHECKED
 
 
 def test_dict_and_tuple_outputs(tmp_path) -> None:
@@ -375,7 +380,7 @@ def test_counters_the_encoder_keeps_do_not_defeat_the_cache(tmp_path) -> None:
     x = waves(3)
     for _ in range(3):
         same(ce(x, ids=["a", "b", "c"]), enc.inner(x))
-    assert enc.rows == 3 and ce.stats["encoded"] == 3
+    assert enc.rows == 3 + CHECKED and ce.stats["encoded"] == 3
 
 
 def test_a_shard_deleted_by_hand_is_encoded_again(tmp_path) -> None:
@@ -965,20 +970,26 @@ def test_a_submodule_in_train_mode_or_a_trainable_held_tensor_stands_it_aside(
     assert prompted.prompt.grad is not None and ce.stats["encoded"] == 0
 
 
-def test_rows_of_one_call_whose_outputs_differ_in_shape_are_one_featbake_error(
-    tmp_path: Path,
-) -> None:
-    """An id given to inputs padded differently stacked a cached row with a new one of
-    another length: ``RuntimeError: stack expects each tensor to be equal size``. It is an
-    ``EncodeError`` that says what an id must name."""
-    from featbake.errors import EncodeError
-
-    enc = frozen(TinyConvEncoder())
+def test_an_id_padded_to_another_length_is_another_input(tmp_path: Path) -> None:
+    """An id is keyed with its row's dtype and shape: a clip padded to each batch's longest,
+    as a shuffled loop pads it, was served the features of the length it was first padded to
+    where every row of a later call carried it (``(1, 73, 64)`` for a clip now ``(1, 48,
+    64)``), and stacking such a row with a new one of another length failed in torch. Each
+    length is encoded once and served as the encoder gives it now."""
+    enc = frozen(Counting(TinyConvEncoder()))
     ce = CachedEncoder(enc, cache=tmp_path / "s")
-    ce(waves(1, 0.5), ids=["u1"])
-    longer = waves(2, 1.0, seed=5)
-    with pytest.raises(EncodeError, match="an id must name one input, its padding included"):
-        ce(longer, ids=["u1", "u2"])
+    clips = [waves(1, seconds, seed=i)[0] for i, seconds in enumerate((0.5, 0.75))]
+
+    def padded(rows: list[int]) -> torch.Tensor:
+        x = torch.zeros(len(rows), max(clips[r].numel() for r in rows))
+        for i, r in enumerate(rows):
+            x[i, : clips[r].numel()] = clips[r]
+        return x
+
+    for rows in ([0, 1], [0], [1, 0], [0]):
+        x = padded(rows)
+        same(ce(x, ids=[f"u{r}" for r in rows]), enc.inner(x))
+    assert ce.stats["encoded"] == 3  # u0 and u1 at 0.75 s, u0 alone at 0.5 s
 
 
 def test_a_conjugate_view_is_keyed_by_its_values_and_odd_output_keys_are_refused(
@@ -1124,3 +1135,60 @@ def test_torchscript_modules_of_other_code_or_frozen_weights_are_keyed_apart(
         same(ce(x, ids=["a", "b"]), module(x))
         assert ce.cache_info()["encoded"] == 2
         ce.flush()
+
+
+class TimeFirstLSTM(nn.Module):
+    """torch's default recurrent layout: ``[T, B, D]`` in and out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x)[0]
+
+
+@pytest.mark.parametrize("kind", ["transformer", "lstm"])
+def test_a_time_first_encoder_is_refused_not_served_other_sequences_steps(
+    tmp_path: Path, kind: str
+) -> None:
+    """A module whose dimension 0 is time (``batch_first=False``, torch's default for
+    ``nn.TransformerEncoder`` and ``nn.LSTM``) had each time step cached as a row: a second
+    call sharing its zero-padded tail steps was served the first call's (3.0 off for the
+    transformer, 0.14 for the LSTM), with no warning. Its first call of several rows is
+    refused in one line naming batch_first; a [B, T, D] module of the same layers is served
+    as run now."""
+    from featbake.errors import EncodeError
+
+    torch.manual_seed(0)
+    if kind == "transformer":
+        layer = nn.TransformerEncoderLayer(16, nhead=2, dim_feedforward=32, dropout=0.0)
+        module: nn.Module = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    else:
+        module = TimeFirstLSTM()
+    enc = frozen(module)
+    ce = CachedEncoder(enc, cache=tmp_path / "s")
+    x = torch.randn(6, 2, 16)
+    x[4:] = 0  # padded tails, as two calls of padded sequences share
+    with pytest.raises(EncodeError, match="batch_first=False") as refused, torch.no_grad():
+        ce(x)
+    assert "\n" not in str(refused.value)
+    assert ce.stats["encoded"] == 0
+
+    class BatchFirst(nn.Module):  # the same layers, batch first: rows are independent
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = enc
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x.transpose(0, 1)).transpose(0, 1)
+
+    wrapped = frozen(BatchFirst())
+    ce = CachedEncoder(wrapped, cache=tmp_path / "s2")
+    rows = x.transpose(0, 1).contiguous()
+    with torch.no_grad():
+        same(ce(rows), wrapped(rows))
+        other = torch.randn(3, 6, 16)
+        other[0] = rows[1]  # one row cached, two new
+        same(ce(other), wrapped(other))
+    assert ce.stats["encoded"] == 4
