@@ -1444,11 +1444,12 @@ def refuse_dependent_rows(
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Equal up to the rounding a smaller batch may bring (float32: 1e-3 of the largest
-    value; a half-precision dtype's: 5e-2); other dtypes exactly."""
+    """Equal up to the rounding a smaller batch may bring (float32: 1e-2 of the largest
+    value, room for a GPU's TF32 convolutions; a half-precision dtype's: 5e-2); other dtypes
+    exactly. A time-first module's steps are far apart (an LSTM's 0.3 of its largest)."""
     if not (got.is_floating_point() and want.is_floating_point()):
         return bool(torch.equal(got, want))
-    tolerance = 1e-3 if want.dtype in (torch.float32, torch.float64) else 5e-2
+    tolerance = 1e-2 if want.dtype in (torch.float32, torch.float64) else 5e-2
     scale = want.detach().float().abs().max().item()
     diff = (got.detach().float() - want.detach().float()).abs().max().item()
     return diff <= tolerance * scale + 1e-6
