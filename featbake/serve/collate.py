@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import default_collate, get_worker_info
 
-from featbake.errors import ConfigError
+from featbake.errors import ConfigError, first_line
 
 __all__ = ["BatchPool", "PaddedBatch", "pad_collate"]
 
@@ -169,7 +169,10 @@ def pad_collate(
     Three batch layouts are supported:
 
     * ``[T_i, D...]`` tensors -> ``(padded [B, T_max, D...], lengths [B] int64)``.
-    * dicts of such tensors (multi-output encoders) -> ``{name: (padded, lengths)}``.
+    * dicts of such tensors (multi-output encoders) -> ``{name: (padded, lengths)}``; an
+      entry that is a dict is padded the same way, and one that is no ``[T, ...]`` tensor (a
+      label, a 0-d tensor, a string) goes through ``default_collate``: a keyword
+      ``StackDataset(feats=ds, y=labels)`` -> ``{"feats": (padded, lengths), "y": labels}``.
     * tuples/lists whose first element is a feature (tensor or dict) and whose other
       elements are anything ``default_collate`` handles, e.g. ``(feat, label)`` ->
       ``(padded, lengths, *rest)`` for tensor features, ``({name: (padded, lengths)},
@@ -271,11 +274,25 @@ def _pad_dicts(
                 f"(missing {missing}, extra {extra})"
             )
     return {
-        name: _pad_tensors(
-            [item[name] for item in batch], pad_to_multiple, pad_value, where=f"{where}[{name!r}]"
-        )
+        name: _pad_entry([item[name] for item in batch], pad_to_multiple, pad_value, where, name)
         for name in names
     }
+
+
+def _pad_entry(
+    values: list[Any], pad_to_multiple: int | None, pad_value: float, where: str, name: str
+) -> Any:
+    """One entry of dict items batched: ``[T, ...]`` tensors padded, dicts of them padded as
+    dicts, anything else (a label, a 0-d tensor, a string) by ``default_collate``."""
+    first, here = values[0], f"{where}[{name!r}]"
+    if isinstance(first, Mapping):
+        return _pad_dicts(values, pad_to_multiple, pad_value, where=here)
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        return _pad_tensors(values, pad_to_multiple, pad_value, where=here)
+    try:
+        return default_collate(values)
+    except (TypeError, RuntimeError) as e:
+        raise ConfigError(f"pad_collate: item 0{here} cannot be batched: {first_line(e)}") from e
 
 
 def _pad_tensors(

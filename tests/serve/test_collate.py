@@ -117,6 +117,32 @@ def test_tuple_with_dict_feature() -> None:
     assert labels.tolist() == [0, 1]
 
 
+def test_keyword_stack_dataset_items_pad_features_and_collate_the_rest() -> None:
+    """A keyword ``StackDataset(feats=ds, y=labels)`` gives dict items whose labels are no
+    ``[T, ...]`` tensor: the label was taken for a feature part ("item 0['y'] must be a tensor
+    of shape [T, D...]"), where the positional form worked. Features are padded (a tensor, or
+    a multi-part dict), everything else goes through ``default_collate``."""
+    from torch.utils.data import StackDataset
+
+    feats = rand_feats([3, 1, 2])
+    parts = [{"tokens": f, "pooled": f.mean(0, keepdim=True)} for f in feats]
+    stacked = StackDataset(
+        feats=feats, parts=parts, y=[7, 8, 9], name=["a", "b", "c"],
+        weight=[torch.tensor(w) for w in (0.5, 1.0, 2.0)],
+    )  # fmt: skip
+    batch = next(iter(DataLoader(stacked, batch_size=3, collate_fn=pad_collate)))
+    padded, lengths = batch["feats"]
+    assert torch.equal(padded, pad_sequence(feats, batch_first=True))
+    assert lengths.tolist() == [3, 1, 2]
+    tokens, token_lengths = batch["parts"]["tokens"]
+    assert torch.equal(tokens, padded) and token_lengths.tolist() == [3, 1, 2]
+    assert batch["parts"]["pooled"][0].shape == (3, 1, 3)
+    assert batch["y"].tolist() == [7, 8, 9] and batch["name"] == ["a", "b", "c"]
+    assert batch["weight"].tolist() == [0.5, 1.0, 2.0]
+    with pytest.raises(ConfigError, match=r"item 0\['y'\] cannot be batched"):
+        pad_collate([{"h": torch.ones(2), "y": object()}, {"h": torch.ones(1), "y": object()}])
+
+
 def test_empty_batch() -> None:
     with pytest.raises(ConfigError, match="empty batch"):
         pad_collate([])
