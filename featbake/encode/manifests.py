@@ -924,6 +924,8 @@ class ManifestInputs(RowInputs):
             try:
                 if isinstance(fields, BadRow):
                     raise fields
+                if not seen.rows:
+                    refuse_lhotse_set(self.origin, fields, column)
                 seen.note(fields)
                 base = bases.for_value(fields.get(column))
                 parsed.items.append(manifest_item(fields, column, base, where))
@@ -931,6 +933,43 @@ class ManifestInputs(RowInputs):
                 parsed.skipped.append(SkippedInput(f"{name}:{line}", str(e)))
         seen.check(self.origin, "name the input with --column")
         return parsed
+
+
+def lhotse_set_of(fields: Mapping[str, Any]) -> str | None:
+    """The lhotse manifest a row is of, other than cuts (``RecordingSet``: its ``sources``,
+    ``SupervisionSet``: a ``recording_id`` timed by ``start`` and ``duration``), or None.
+
+    Example:
+        >>> lhotse_set_of({"id": "r", "sources": [], "sampling_rate": 16000, "num_samples": 8})
+        'RecordingSet'
+        >>> lhotse_set_of({"id": "s", "recording_id": "r", "start": 0.5, "duration": 1.0})
+        'SupervisionSet'
+        >>> lhotse_set_of({"path": "a.wav", "start": 0.5, "duration": 1.0}) is None
+        True
+    """
+    if isinstance(fields.get("sources"), list) and "sampling_rate" in fields:
+        return "RecordingSet"
+    if {"recording_id", "start", "duration"} <= fields.keys():
+        return "SupervisionSet"
+    return None
+
+
+def refuse_lhotse_set(origin: str, fields: Mapping[str, Any], column: str) -> None:
+    """Refuse a lhotse recordings or supervisions manifest given as ``--data`` (its first row
+    holds no path in ``column``): the rows name no audio featbake can read, and the advice
+    to name another column failed on every row.
+
+    Raises:
+        SourceError: ``fields`` is such a row.
+    """
+    kind = lhotse_set_of(fields)
+    if kind is None or isinstance(fields.get(column), str):
+        return
+    raise SourceError(
+        f"{origin} is a lhotse {kind} manifest, not a cut manifest: featbake reads cuts; "
+        "make them with CutSet.from_manifests(recordings=..., supervisions=...)"
+        ".to_file('cuts.jsonl.gz') and pass that as --data"
+    )
 
 
 class RowsBase:

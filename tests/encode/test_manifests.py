@@ -852,6 +852,37 @@ def test_padded_cuts_are_refused_in_one_line_each_naming_what_they_are(
     assert "a padded or mixed cut" in report.failed[0][1]
 
 
+@pytest.mark.parametrize("kind", ["RecordingSet", "SupervisionSet"])
+def test_a_lhotse_recordings_or_supervisions_manifest_is_refused_naming_cuts(
+    tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+) -> None:  # fmt: skip
+    """A ``RecordingSet`` or ``SupervisionSet`` given as --data was read as rows: "no column
+    'path' ... name the input with --column", and ``--column sources`` then failed every row.
+    It is one line saying how to make cuts of them, whatever the column; a manifest of one's
+    own timed by ``start``/``duration`` beside its paths still builds."""
+    lhotse = pytest.importorskip("lhotse")
+    monkeypatch.chdir(tmp_path)
+    noise_wav(tmp_path / "r.wav", 2.0, 16000, seed=51)
+    recording = lhotse.Recording.from_file("r.wav")
+    manifest_file = tmp_path / f"{kind}.jsonl.gz"
+    if kind == "RecordingSet":
+        lhotse.RecordingSet.from_recordings([recording]).to_file(manifest_file)
+    else:
+        segment = lhotse.SupervisionSegment("s1", recording.id, 0.5, 1.0, channel=0, text="a")
+        lhotse.SupervisionSet.from_segments([segment]).to_file(manifest_file)
+    for column in ((), ("--column", "sources")):
+        got = invoke("build", "-e", encoder_file, "-d", manifest_file, "--cache", store_dir,
+                     *column)  # fmt: skip
+        lines = got.stderr.strip().splitlines()
+        assert got.returncode == SourceError.exit_code and len(lines) == 1, got.stderr
+        assert f"is a lhotse {kind} manifest" in lines[0] and "CutSet.from_manifests" in lines[0]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(
+        {"path": "r.wav", "recording_id": "r", "start": 0.5, "duration": 1.0}) + "\n")  # fmt: skip
+    assert build(rows, encoder_file, cache=store_dir, workers=0).encoded == 1
+
+
 def test_perturbed_cuts_without_lhotse_are_refused_one_line_each(
     tmp_path: Path, encoder_file: Path, store_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
