@@ -896,63 +896,83 @@ SAFETENSORS_FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F
 
 
 def weights_dtype(folder: Path) -> str | None:
-    """The dtype transformers' "auto" takes from a folder's weights (the first floating
-    tensor's; another where they differ): from the safetensors files' headers, or where the
-    folder has none, from its first ``pytorch_model.bin`` as transformers reads it (on the
-    meta device: no weight is read); None where they are float32 or none can be read."""
-    kinds = _safetensors_floats(folder)
-    if kinds is None:
-        kinds = _pickled_floats(folder)
-    others = sorted(kinds - {"float32"})
-    return others[0] if others else None
+    """The dtype transformers' "auto" takes from a folder's weights, by its rule
+    (``get_state_dict_dtype``): the first floating tensor's (float8 passed over) of the
+    first weights file it reads (:func:`first_weights_file`), in that file's order
+    (safetensors lists its tensors by name; a ``pytorch_model.bin`` in its saved order, read
+    on the meta device: no weight is read); None where that is float32 or none can be read.
+    A float32 file holding some float16 tensors loads in float32, whichever file holds it."""
+    found = first_weights_file(folder)
+    if found is None:
+        return None
+    read = _safetensors_first_float if found.suffix == ".safetensors" else _pickled_first_float
+    kind = read(found)
+    return None if kind in (None, "float32") else kind
+
+
+def first_weights_file(folder: Path) -> Path | None:
+    """The weights file transformers reads a dtype from: the first (by name) of the
+    safetensors files (those its index names, else ``model.safetensors``), else of the
+    ``pytorch_model.bin`` files; None where there is neither."""
+    for index, single in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ):
+        first = folder / _shard_names(folder, index, single)[0]
+        if first.is_file():
+            return first
+    return None
 
 
 def _shard_names(folder: Path, index: str, single: str) -> list[str]:
     """A folder's weight files: those its index names (sorted), else the single file's name."""
     try:
-        return sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+        names = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return [single]
+    return [str(n) for n in names] or [single]
 
 
-def _safetensors_floats(folder: Path) -> set[str] | None:
-    """The floating dtypes of a folder's safetensors weights, read from their headers; None
-    where the folder has no safetensors file to read."""
-    kinds: set[str] = set()
-    read = False
-    for name in _shard_names(folder, "model.safetensors.index.json", "model.safetensors"):
-        try:
-            with (folder / name).open("rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size)) if 0 < size < 100_000_000 else {}
-        except (OSError, ValueError):
-            continue
-        read = True
-        for entry in header.values() if isinstance(header, dict) else ():
-            if isinstance(entry, dict) and entry.get("dtype") in SAFETENSORS_FLOATS:
-                kinds.add(SAFETENSORS_FLOATS[entry["dtype"]])
-    return kinds if read else None
+def _safetensors_first_float(path: Path) -> str | None:
+    """The dtype of the first floating tensor (by name, as safetensors lists them) in a
+    safetensors file's header; None where it has none or cannot be read."""
+    try:
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size)) if 0 < size < 100_000_000 else {}
+    except (OSError, ValueError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    for name in sorted(k for k in header if k != "__metadata__"):
+        entry = header[name]
+        if isinstance(entry, dict) and entry.get("dtype") in SAFETENSORS_FLOATS:
+            return SAFETENSORS_FLOATS[entry["dtype"]]
+    return None
 
 
-def _pickled_floats(folder: Path) -> set[str]:
-    """The dtype of the first floating tensor of the first ``pytorch_model.bin`` file of a
-    folder (what transformers' "auto" takes), loaded as transformers loads it for that
-    (``weights_only``, on the meta device); empty where there is none or it cannot be read
-    (the model's load says why)."""
+def _pickled_first_float(path: Path) -> str | None:
+    """The dtype of the first floating tensor of a ``pytorch_model.bin`` file, loaded as
+    transformers loads it for that (``weights_only``, on the meta device); None where there
+    is none or it cannot be read (the model's load says why)."""
     import torch  # only where a folder has no safetensors weights
 
-    first = _shard_names(folder, "pytorch_model.bin.index.json", "pytorch_model.bin")[0]
     try:
-        state = torch.load(folder / first, map_location="meta", weights_only=True)
+        state = torch.load(path, map_location="meta", weights_only=True)
     except Exception:  # an unreadable file is the model's load to report
-        return set()
+        return None
     tensors = state.values() if isinstance(state, dict) else ()
-    # The first floating tensor's alone, as transformers' get_state_dict_dtype takes it (a
-    # float32 file holding some float16 tensors loads in float32).
     found = next(
-        (t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()), None
+        (
+            t
+            for t in tensors
+            if isinstance(t, torch.Tensor)
+            and t.is_floating_point()
+            and not str(t.dtype).startswith(("torch.float8_", "torch.float4_"))
+        ),
+        None,
     )
-    return set() if found is None else {str(found.dtype).removeprefix("torch.")}
+    return None if found is None else str(found.dtype).removeprefix("torch.")
 
 
 def _transformer_config(folder: Path) -> tuple[dict[str, Any], Path]:

@@ -578,6 +578,38 @@ def test_a_bin_only_model_saved_in_half_with_no_dtype_set_is_refused(
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize("container", ["safetensors", "bin"])
+@pytest.mark.parametrize("half", ["first", "later"])
+def test_mixed_dtype_weights_take_the_dtype_transformers_loads(
+    tmp_path: Path, container: str, half: str
+) -> None:
+    """transformers' "auto" takes the first floating tensor's dtype of the first weights
+    file (safetensors lists its tensors by name; a ``.bin`` in its saved order). featbake
+    read a safetensors file as "any dtype but float32", so a float32 file holding some
+    float16 tensors was refused for ``sentence_embedding`` though both load it in float32;
+    both containers follow transformers' rule now, checked against transformers run now."""
+    from featbake.encode.hf_folders import weights_dtype
+
+    bert = save_bert(tmp_path / "bert")
+    state = safetensors.load_file(bert / "model.safetensors")
+    first = sorted(state)[0]  # embeddings.*: first by name and in saved order alike
+    halved = [first] if half == "first" else [n for n in state if n.startswith("pooler.")]
+    assert halved and next(iter(state)) == first
+    mixed = {n: t.half() if n in halved else t for n, t in state.items()}
+    (bert / "model.safetensors").unlink()
+    if container == "safetensors":
+        safetensors.save_file(mixed, bert / "model.safetensors")
+    else:
+        torch.save(mixed, bert / "pytorch_model.bin")
+    config = json.loads((bert / "config.json").read_text())
+    write_json(bert / "config.json", {k: v for k, v in config.items() if "dtype" not in k})
+    loaded = transformers.AutoModel.from_pretrained(str(bert)).dtype
+    if loaded == torch.float32 and half == "first":
+        pytest.skip("this transformers loads a model in float32 whatever its weights are")
+    assert loaded == (torch.float16 if half == "first" else torch.float32)
+    assert weights_dtype(bert) == (None if loaded == torch.float32 else "float16")
+
+
 #: A Greek word ending in a capital sigma, which lowercases to a final sigma in Python alone.
 GREEK_WORD = "\u039f\u0394\u039f\u03a3"
 #: Its stem and its sigma as the tokenizer lowercases them (a word-piece each), and the whole
