@@ -10,6 +10,7 @@ import functools
 import io
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -480,6 +481,7 @@ def test_int8_layers_are_served_dequantised_in_the_order_asked(tmp_path: Path, c
 # (``AutoImageProcessor``) and model, on the picture featbake decodes; never the store.
 
 TINY_VISION = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+PATCH = {"image_size": 32, "patch_size": 8}
 IMAGENET = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
 MODELS = ("vit", "dinov2", "clip")
 
@@ -494,22 +496,21 @@ def processor_class(kind: str) -> Any:
 def save_vision_model(folder: Path, kind: str) -> Path:
     """A seeded tiny vision model and its image processor, saved as a real model folder."""
     torch.manual_seed(0)
-    patch = {"image_size": 32, "patch_size": 8}
     if kind == "vit":
         model: Any = transformers.ViTModel(
-            transformers.ViTConfig(**TINY_VISION, **patch, intermediate_size=64)
+            transformers.ViTConfig(**TINY_VISION, **PATCH, intermediate_size=64)
         )
         proc = processor_class("ViT")(size={"height": 32, "width": 32}, resample=2)
     elif kind == "dinov2":
         model = transformers.Dinov2Model(
-            transformers.Dinov2Config(**TINY_VISION, **patch, mlp_ratio=2)
+            transformers.Dinov2Config(**TINY_VISION, **PATCH, mlp_ratio=2)
         )
         proc = processor_class("Bit")(
             size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32}, **IMAGENET
         )
     else:
         model = transformers.CLIPVisionModel(
-            transformers.CLIPVisionConfig(**TINY_VISION, **patch, intermediate_size=64)
+            transformers.CLIPVisionConfig(**TINY_VISION, **PATCH, intermediate_size=64)
         )
         proc = processor_class("CLIP")(
             size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
@@ -816,14 +817,22 @@ def test_an_rgb_png_with_a_transparency_key_is_read_as_the_processor_reads_it(
 #
 # The reference is transformers itself, run now on each image as featbake decodes it.
 
-TINY_FOLDERS = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
-PATCH = {"image_size": 32, "patch_size": 8}
-
 
 def processor(kind: str, **kw: Any) -> Any:
-    """transformers' PIL-backend image processor (``...Pil`` in transformers 5)."""
-    cls = getattr(transformers, f"{kind}ImageProcessorPil", None)
-    return (cls or getattr(transformers, f"{kind}ImageProcessor"))(**kw)
+    """transformers' PIL-backend image processor of ``kind`` made with ``kw``."""
+    return processor_class(kind)(**kw)
+
+
+def served_and_pixels(
+    ds: CachedFeatureDataset, folder: Path
+) -> Iterator[tuple[Any, torch.Tensor, str]]:
+    """Each item ``ds`` serves, the pixels the folder's own image processor (transformers')
+    makes of its image now, and its path: what a vision test compares with the model run
+    now."""
+    proc = transformers.AutoImageProcessor.from_pretrained(folder)
+    for i in range(len(ds)):
+        image = decode_image(Path(ds.path(i)), ds.recipe.image_steps)
+        yield ds[i], proc(images=image, return_tensors="pt")["pixel_values"], ds.path(i)
 
 
 @pytest.fixture(scope="module")
@@ -838,18 +847,17 @@ def headless_vit(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A ViT saved as DINO and MAE checkpoints are: ``add_pooling_layer=False``."""
     folder = tmp_path_factory.mktemp("models") / "dino"
     torch.manual_seed(0)
-    config = transformers.ViTConfig(**TINY_FOLDERS, **PATCH, intermediate_size=64)
+    config = transformers.ViTConfig(**TINY_VISION, **PATCH, intermediate_size=64)
     transformers.ViTModel(config, add_pooling_layer=False).eval().save_pretrained(folder)
     processor("ViT", size={"height": 32, "width": 32}, resample=2).save_pretrained(folder)
     return folder
 
 
-def served_tokens_equal_transformers(ds: CachedFeatureDataset, model: Any, proc: Any) -> None:
-    for i in range(len(ds)):
-        image = decode_image(Path(ds.path(i)), ds.recipe.image_steps)
+def served_tokens_equal_transformers(ds: CachedFeatureDataset, model: Any, folder: Path) -> None:
+    for parts, pixels, path in served_and_pixels(ds, folder):
         with torch.inference_mode():
-            want = model(**proc(images=image, return_tensors="pt")).last_hidden_state[0]
-        assert rel_error(ds[i]["tokens"], want) < 1e-5, ds.path(i)
+            want = model(pixel_values=pixels).last_hidden_state[0]
+        assert rel_error(parts["tokens"], want) < 1e-5, path
 
 
 def test_a_vit_saved_without_its_pooler_serves_its_tokens(
@@ -861,8 +869,7 @@ def test_a_vit_saved_without_its_pooler_serves_its_tokens(
     ds = CachedFeatureDataset(vision_images, headless_vit, cache=tmp_path / "s", on_miss="error")
     assert set(ds[0]) == {"tokens"}  # no pooled part: its head would be random
     model = transformers.ViTModel.from_pretrained(headless_vit, add_pooling_layer=False).eval()
-    proc = transformers.AutoImageProcessor.from_pretrained(headless_vit)
-    served_tokens_equal_transformers(ds, model, proc)
+    served_tokens_equal_transformers(ds, model, headless_vit)
 
 
 def test_asking_a_headless_vit_for_pooled_is_one_line(
@@ -893,9 +900,9 @@ def test_a_siglip_without_its_pooling_head_serves_tokens_alone(
     as ``pooled`` and ``image_embeds``. Its tokens alone are served now, and asking for the
     others is one line."""
     torch.manual_seed(0)
-    vision = {**TINY_FOLDERS, **PATCH, "intermediate_size": 64, "vision_use_head": False}
+    vision = {**TINY_VISION, **PATCH, "intermediate_size": 64, "vision_use_head": False}
     if whole:
-        text = {**TINY_FOLDERS, "intermediate_size": 64, "vocab_size": 99}
+        text = {**TINY_VISION, "intermediate_size": 64, "vocab_size": 99}
         config = transformers.SiglipConfig(vision_config=vision, text_config=text)
         model: Any = transformers.SiglipModel(config)
     else:
@@ -906,9 +913,8 @@ def test_a_siglip_without_its_pooling_head_serves_tokens_alone(
     assert build(vision_images, folder, cache=tmp_path / "s", workers=0).encoded == 4
     ds = CachedFeatureDataset(vision_images, folder, cache=tmp_path / "s", on_miss="error")
     assert set(ds[0]) == {"tokens"}
-    proc = transformers.AutoImageProcessor.from_pretrained(folder)
     tower = model.vision_model if whole else model
-    served_tokens_equal_transformers(ds, tower, proc)
+    served_tokens_equal_transformers(ds, tower, folder)
     for part in ("pooled", "image_embeds") if whole else ("pooled",):
         with pytest.raises(ConfigError, match="vision_use_head=false") as refused:
             build(vision_images, folder, cache=tmp_path / "s", recipe=Recipe(output=part))
@@ -943,18 +949,45 @@ def test_a_model_of_stages_builds_and_refuses_layers_in_one_line(
     assert build(vision_images, folder, cache=tmp_path / "s", workers=0).encoded == 4
     ds = CachedFeatureDataset(vision_images, folder, cache=tmp_path / "s", on_miss="error")
     reference = transformers.AutoModel.from_pretrained(folder).eval()
-    loaded = transformers.AutoImageProcessor.from_pretrained(folder)
-    for i in range(len(ds)):
-        image = decode_image(Path(ds.path(i)), ds.recipe.image_steps)
+    for parts, pixels, path in served_and_pixels(ds, folder):
         with torch.inference_mode():
-            want = reference(**loaded(images=image, return_tensors="pt"))
-        assert rel_error(ds[i]["tokens"], want.last_hidden_state[0]) < 1e-5, ds.path(i)
-        assert rel_error(ds[i]["pooled"], want.pooler_output[0]) < 1e-5, ds.path(i)
+            want = reference(pixel_values=pixels)
+        assert rel_error(parts["tokens"], want.last_hidden_state[0]) < 1e-5, path
+        assert rel_error(parts["pooled"], want.pooler_output[0]) < 1e-5, path
     res = invoke("build", "-d", vision_images, "-e", folder, "--cache", tmp_path / "c",
                  "--layers", "1")  # fmt: skip
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1, res.stderr
     assert "num_hidden_layers" in lines[0] and "internal error" not in lines[0], res.stderr
+
+
+def test_a_vision_model_without_a_pooler_output_serves_its_cls_row_as_pooled(
+    tmp_path: Path, vision_images: Path
+) -> None:
+    """ViTMSN's output has no ``pooler_output``; its own heads read the CLS row. A form of
+    r27.4 served its tokens alone under the key it always had, so a store built before served
+    ``pooled`` where a build now refused it: the CLS row is ``pooled`` again, equal to the
+    model run now, and its key names the same features."""
+    torch.manual_seed(0)
+    config = transformers.ViTMSNConfig(**TINY_VISION, **PATCH, intermediate_size=64)
+    folder = tmp_path / "msn"
+    transformers.ViTMSNModel(config).eval().save_pretrained(folder)
+    processor("ViT", size={"height": 32, "width": 32}, resample=2).save_pretrained(folder)
+    asked = Recipe(output="pooled")
+    assert build(vision_images, folder, cache=tmp_path / "s", workers=0).encoded == 4
+    assert build(vision_images, folder, cache=tmp_path / "s", recipe=asked).ok  # from the first
+    ds = CachedFeatureDataset(vision_images, folder, cache=tmp_path / "s", on_miss="error")
+    one = CachedFeatureDataset(
+        vision_images, folder, cache=tmp_path / "s", recipe=asked, on_miss="error"
+    )
+    model = transformers.ViTMSNModel.from_pretrained(folder).eval()
+    for i, (parts, pixels, path) in enumerate(served_and_pixels(ds, folder)):
+        with torch.inference_mode():
+            tokens = model(pixel_values=pixels).last_hidden_state[0]
+        assert set(parts) == {"pooled", "tokens"}
+        assert rel_error(parts["tokens"], tokens) < 1e-5, path
+        assert rel_error(parts["pooled"], tokens[0]) < 1e-5, path
+        assert rel_error(one[i], tokens[0]) < 1e-5, path
 
 
 def test_a_clip_vision_tower_saved_with_its_projection_serves_image_embeds(
@@ -966,7 +999,7 @@ def test_a_clip_vision_tower_saved_with_its_projection_serves_image_embeds(
     part equals that class run now."""
     torch.manual_seed(0)
     config = transformers.CLIPVisionConfig(
-        **TINY_FOLDERS, **PATCH, intermediate_size=64, projection_dim=16
+        **TINY_VISION, **PATCH, intermediate_size=64, projection_dim=16
     )
     folder = tmp_path / "image-encoder"
     transformers.CLIPVisionModelWithProjection(config).eval().save_pretrained(folder)
@@ -975,22 +1008,19 @@ def test_a_clip_vision_tower_saved_with_its_projection_serves_image_embeds(
     assert build(vision_images, folder, cache=tmp_path / "s", workers=0).encoded == 4
     ds = CachedFeatureDataset(vision_images, folder, cache=tmp_path / "s", on_miss="error")
     model = transformers.CLIPVisionModelWithProjection.from_pretrained(folder).eval()
-    proc = transformers.AutoImageProcessor.from_pretrained(folder)
-    for i in range(len(ds)):
-        image = decode_image(Path(ds.path(i)), ds.recipe.image_steps)
+    for got, pixels, path in served_and_pixels(ds, folder):
         with torch.inference_mode():
-            want = model(**proc(images=image, return_tensors="pt"))
-        got = ds[i]
+            want = model(pixel_values=pixels)
         assert set(got) == {"image_embeds", "pooled", "tokens"}
-        assert rel_error(got["image_embeds"], want.image_embeds[0]) < 1e-5, ds.path(i)
-        assert rel_error(got["tokens"], want.last_hidden_state[0]) < 1e-5, ds.path(i)
+        assert rel_error(got["image_embeds"], want.image_embeds[0]) < 1e-5, path
+        assert rel_error(got["tokens"], want.last_hidden_state[0]) < 1e-5, path
 
 
 def save_whole_model(folder: Path, kind: str) -> Path:
     """A whole image-text model (both towers), saved as a download gives it."""
     torch.manual_seed(0)
-    vision = {**TINY_FOLDERS, **PATCH, "intermediate_size": 64}
-    text = {**TINY_FOLDERS, "intermediate_size": 64, "vocab_size": 99}
+    vision = {**TINY_VISION, **PATCH, "intermediate_size": 64}
+    text = {**TINY_VISION, "intermediate_size": 64, "vocab_size": 99}
     if kind == "clip":
         config = transformers.CLIPConfig(vision_config=vision, text_config=text, projection_dim=16)
         model: Any = transformers.CLIPModel(config)
@@ -1028,19 +1058,15 @@ def served_tower_equals_transformers(ds: CachedFeatureDataset, folder: Path, wid
     """Each image ``ds`` serves equals the whole model's vision tower and image embeddings, run
     now by transformers with the folder's own image processor."""
     model = transformers.AutoModel.from_pretrained(folder).eval()
-    proc = transformers.AutoImageProcessor.from_pretrained(folder)
-    for i in range(len(ds)):
-        image = decode_image(Path(ds.path(i)), ds.recipe.image_steps)
-        pixels = proc(images=image, return_tensors="pt")["pixel_values"]
+    for parts, pixels, path in served_and_pixels(ds, folder):
         with torch.inference_mode():
             tower = model.vision_model(pixel_values=pixels)
             embeds = image_features(model, pixels)[0]
-        parts = ds[i]
         assert set(parts) == {"pooled", "tokens", "image_embeds"}
-        assert rel_error(parts["tokens"], tower.last_hidden_state[0]) < 1e-5, ds.path(i)
-        assert rel_error(parts["pooled"], tower.pooler_output[0]) < 1e-5, ds.path(i)
+        assert rel_error(parts["tokens"], tower.last_hidden_state[0]) < 1e-5, path
+        assert rel_error(parts["pooled"], tower.pooler_output[0]) < 1e-5, path
         assert parts["image_embeds"].shape == (width,)
-        assert rel_error(parts["image_embeds"], embeds) < 1e-5, ds.path(i)
+        assert rel_error(parts["image_embeds"], embeds) < 1e-5, path
 
 
 def save_whole_processor(folder: Path, whole: Any) -> Path:
