@@ -135,7 +135,10 @@ def recipe_brief(recipe: dict) -> str:
         bits.append("multichannel")
     bits.append(str(recipe.get("dtype", "")))
     if recipe.get("max_seconds"):
-        bits.append(f"crop {recipe['max_seconds']:g}s")
+        # A crop made before CROP_VERSION 2 (64 samples of the resampler's context) is its
+        # own root, named so: the two look alike otherwise.
+        older = " (older crop)" if recipe.get("crop") is None else ""
+        bits.append(f"crop {recipe['max_seconds']:g}s{older}")
     if recipe.get("output") is not None:
         bits.append(f"output {recipe['output']}")
     if isinstance(recipe.get("image"), dict):  # the whole transform: it decides the pixels

@@ -99,10 +99,21 @@ def recipe_differences(asked: Mapping[str, Any], stored: Mapping[str, Any]) -> l
     """
     fields = sorted((set(asked) | set(stored)) - {"version"})
     return [
-        f"{f}={stored.get(f)!r} in the store, {asked.get(f)!r} asked"
+        OWN_VERSIONS[f]
+        if f in OWN_VERSIONS
+        else f"{f}={stored.get(f)!r} in the store, {asked.get(f)!r} asked"
         for f in fields
         if asked.get(f) != stored.get(f)
     ]
+
+
+#: Recipe fields that are featbake's own versions of a step, not options a user passes: a
+#: difference is said as what it is (``crop=None in the store, 2 asked`` named an option no
+#: one can pass).
+OWN_VERSIONS = {
+    "crop": "the store's --max-seconds crop was made by an older featbake (64 samples of the "
+    "resampler's context; its last samples differ): build it again"
+}
 
 
 def build_options(recipe: Mapping[str, Any]) -> list[str]:

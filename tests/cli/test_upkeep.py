@@ -223,6 +223,22 @@ def test_the_recipe_line_tells_roots_apart_by_layers_and_precision() -> None:
     assert recipe_brief(six).endswith("layers 0,6 bf16 compute")
 
 
+def test_an_older_crop_is_told_apart_and_said_as_what_it_is() -> None:
+    """A ``--max-seconds`` store made before crops read the resampler's whole context is its
+    own root (its key lacks ``crop``): ``featbake roots`` showed it as the new one, and a miss
+    said "crop=None in the store, 2 asked", an option no one can pass."""
+    from featbake.cli.upkeep import recipe_brief
+    from featbake.recipe import Recipe
+    from featbake.serve.misses import recipe_differences
+
+    now = Recipe(max_seconds=10.0).as_dict()
+    older = {k: v for k, v in now.items() if k != "crop"}
+    assert recipe_brief(now).endswith("crop 10s") and recipe_brief(older).endswith("(older crop)")
+    (said,) = recipe_differences(now, older)
+    assert "made by an older featbake" in said and "build it again" in said
+    assert "crop=" not in said
+
+
 def _one_error_line(proc, starts: str) -> None:
     """Exit 5 and one red line (no internal error, no traceback)."""
     assert proc.returncode == 5, proc.stdout + proc.stderr
