@@ -350,7 +350,8 @@ def gc(
         str,
         typer.Option(
             help="A bucket store (s3://): keep what catalog versions retired less than this long "
-            "ago name, for readers still holding them."
+            "ago name, for readers still holding them (shards nothing names stay an hour at "
+            "least: a running build names its uploads in batches)."
         ),
     ] = "7d",
     dry_run: Annotated[

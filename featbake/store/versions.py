@@ -86,6 +86,14 @@ def kept_versions(versions: Sequence[ObjectInfo], now: float, retention: float) 
     return kept
 
 
+#: How long a shard object nothing names is kept whatever ``--retention``: a build into a
+#: bucket uploads each shard as it is sealed and names it in a fragment later, in batches (at
+#: the next shard once the oldest unnamed one is 30 s old), so a young unnamed shard may be a
+#: running build's (``gc --retention 0s`` beside a build deleted half its shards, and the
+#: build reported every item stored). The directory's default grace is as long.
+UPLOADED_UNNAMED_S = 3600.0
+
+
 def sweep(
     versions: Sequence[ObjectInfo],
     shards: Iterable[ObjectInfo],
@@ -96,8 +104,16 @@ def sweep(
 ) -> Sweep:
     """What gc's sweep deletes from a bucket, given the shard names each kept version holds
     (``named_by``, keyed by :func:`kept_versions`) and those pending fragments hold: retired
-    versions, and shard objects nothing names once older than ``retention``
-    (:func:`~featbake.store.place.unnamed_past`)."""
+    versions, and shard objects nothing names once older than ``retention`` and
+    :data:`UPLOADED_UNNAMED_S` (:func:`~featbake.store.place.unnamed_past`).
+
+    Example:
+        >>> young = ObjectInfo("shards/" + "a" * 64 + ".safetensors", 1, 3000.0, "")
+        >>> old = ObjectInfo("shards/" + "b" * 64 + ".safetensors", 1, 0.0, "")
+        >>> planned = sweep([], [young, old], {}, set(), now=4000.0, retention=0.0)
+        >>> [h.name[7:8] for h in planned.shards], planned.young_shards
+        (['b'], 1)
+    """
     old = tuple(
         Held(o.name, o.size, o.modified)
         for o in versions
@@ -105,8 +121,11 @@ def sweep(
     )
     named = set(pending).union(*named_by.values())
     held = [Held(o.name, o.size, o.modified, o.etag) for o in shards]
-    doomed, young = unnamed_past(held, _object_shard, named, now, retention)
-    return Sweep(tuple(doomed), (), old, young, age="retention period", versioned=True)
+    age = max(retention, UPLOADED_UNNAMED_S)
+    doomed, young = unnamed_past(held, _object_shard, named, now, age)
+    return Sweep(
+        tuple(doomed), (), old, young, age="retention period (an hour at least)", versioned=True
+    )
 
 
 def _object_shard(object_name: str) -> str:

@@ -114,7 +114,8 @@ class GcOptions:
         grace: leave shard files no row names, and ``tmp/`` files, alone until this old.
         retention: a bucket store keeps what catalog versions retired less than this long ago
             name, and shard objects nothing names until this old (the bucket's age for the
-            sweep's one rule, as ``grace`` is a directory's).
+            sweep's one rule, as ``grace`` is a directory's), an hour at least
+            (:data:`~featbake.store.versions.UPLOADED_UNNAMED_S`: a running build's).
         shard_bytes: target size of shards written by compaction.
         merge_small: also merge shards under a quarter of ``shard_bytes`` (two or more of one
             encoder and recipe), e.g. the small tail shards that many short builds leave.

@@ -645,15 +645,21 @@ def test_the_newest_version_is_always_kept_and_a_version_goes_once_its_successor
 def test_a_shard_goes_only_when_nothing_names_it_and_it_is_older_than_the_retention(
     shards: dict[str, float], named: set[str], pending: set[str], retention: float
 ) -> None:
-    now = 1000.0
+    from featbake.store.versions import UPLOADED_UNNAMED_S
+
+    # Shards from 0 to 1000 s old past the hour an unnamed one is kept whatever the retention
+    # (a running build's uploads), so each side of the retention is drawn.
+    now = 1000.0 + UPLOADED_UNNAMED_S
     listing = [ObjectInfo(f"shards/{n[:2]}/{n}.safetensors", 10, t, "") for n, t in shards.items()]
-    got = sweep([], listing, {1: named}, pending, now, retention)
+    got = sweep([], listing, {1: named}, pending, now, retention + UPLOADED_UNNAMED_S)
+    got_floor = sweep([], listing, {1: named}, pending, now - 1000.0, retention)
     deleted = {o.name.rsplit("/", 1)[1].removesuffix(".safetensors") for o in got.shards}
-    want = {n for n, t in shards.items() if n not in named | pending and now - t >= retention}
-    assert deleted == want
-    assert got.young_shards == sum(
-        1 for n, t in shards.items() if n not in named | pending and now - t < retention
-    )
+    age = retention + UPLOADED_UNNAMED_S
+    unnamed = {n: t for n, t in shards.items() if n not in named | pending}
+    assert deleted == {n for n, t in unnamed.items() if now - t >= age}
+    assert got.young_shards == sum(1 for t in unnamed.values() if now - t < age)
+    # Under the hour, nothing unnamed goes, whatever the retention.
+    assert all(now - 1000.0 - o.modified >= UPLOADED_UNNAMED_S for o in got_floor.shards)
 
 
 def test_gc_keeps_an_orphan_sealed_again_by_a_part_rerun_after_its_plan(

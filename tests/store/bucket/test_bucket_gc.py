@@ -121,6 +121,27 @@ def test_gc_keeps_young_unnamed_shards_and_the_cli_says_so(
     assert len(place.objects("catalog/")) == 2
 
 
+def test_retention_0s_keeps_a_just_uploaded_unnamed_shard_for_an_hour(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """A build into a bucket uploads each shard as it seals it and names it in a fragment
+    later, in batches: ``gc --retention 0s`` beside a running build deleted half its shards
+    (the build reported every item stored; readers missed). A shard object nothing names is
+    kept an hour at least, and gc says so; older, it goes."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    uploaded = plant_unnamed_shard(s3.url, tmp_path)  # as a running build's, not named yet
+    done = invoke("gc", "--cache", s3.url, "--retention", "0s")
+    assert done.returncode == 0, done.stderr
+    assert "1 unnamed shards kept until they pass the retention period (an hour at" in (
+        " ".join(done.stdout.split())
+    ), done.stdout
+    assert shard_object(uploaded) in s3.objects("shards/")
+    store = bucket_store(s3.url, tmp_path / "gc")
+    later = gc(store.layout, GcOptions(retention=0.0), now=time.time() + HOUR + 60)
+    assert later.orphans_removed == 1
+    assert shard_object(uploaded) not in s3.objects("shards/")
+
+
 def test_a_reader_whose_shards_gc_deleted_finds_a_rebuild_through_the_newest_version(
     place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
