@@ -32,8 +32,13 @@ from typing import NamedTuple, TypeVar
 from featbake.errors import ConfigError, FeatbakeError, ShardMissing, StoreCorrupt, StoreError
 from featbake.process import PerProcess, ProcessLocal, ProcessLocalState
 from featbake.store.blocks import BlockPlan, BlockWindowWarning, windows_over
-from featbake.store.catalog import Access, catalog_file_problems, open_sqlite
-from featbake.store.files import Hold, holding, list_folder, publish_file
+from featbake.store.catalog import (
+    Access,
+    catalog_file_problems,
+    open_sqlite,
+    whole_catalog_problem,
+)
+from featbake.store.files import Hold, fsync_file, holding, list_folder, publish_file
 from featbake.store.fragments import (
     fragment_shard_names,
     fragment_shards,
@@ -630,6 +635,11 @@ class BucketStore(ProcessLocalState):
         self._sizes = dict(listed)
         return listed
 
+    def holds_shard_objects(self) -> bool:
+        """Whether the bucket holds any object under ``shards/`` (one listing request of one
+        key): a store whose catalog versions are all gone is told from a new one by it."""
+        return bool(self.bucket.list_page(SHARDS, keys=1).objects)
+
     def download_shard(self, name: str, dest: Path) -> None:
         self.bucket.download(shard_object(name), dest)
 
@@ -743,8 +753,11 @@ class BucketStore(ProcessLocalState):
 
     def _pinned(self) -> PinnedVersion | None:
         """The version and ETag the tier's catalog was downloaded as; None when the tier has no
-        catalog, or only a number (a tier from before ETags were kept: fetched again)."""
-        if not self.layout.catalog.is_file():
+        catalog, or only a number (a tier from before ETags were kept: fetched again), or a
+        copy that is no whole catalog (:func:`whole_catalog_problem`: emptied, cut short, its
+        tables gone), which is fetched again: trusted by its pin, an empty copy served nothing
+        and a build published a next version from it, dropping every root in the bucket."""
+        if whole_catalog_problem(self.layout.catalog) is not None:
             return None
         try:
             raw = json.loads(self.version_file.read_text())
@@ -829,6 +842,7 @@ class BucketStore(ProcessLocalState):
         records = root_records_in(path)
         if records is not None:  # the roots' records this version carries (see publish)
             restore_records(self.layout, records)
+        fsync_file(path)  # on disk before its pin is (publish_file fsyncs the folder after)
         os.replace(path, self.layout.catalog)
         pin = json.dumps(PinnedVersion(version, etag)._asdict())
         publish_file(self.version_file, lambda tmp: tmp.write_text(pin), tmp_dir=self.layout.tmp)
@@ -869,9 +883,17 @@ class BucketStore(ProcessLocalState):
                 final = here / name
                 if parse_name(final) is None or final.exists():
                     continue
-                publish_file(
-                    final, partial(self.bucket.download, FRAGMENTS + name), tmp_dir=self.layout.tmp
-                )
+                try:
+                    publish_file(
+                        final,
+                        partial(self.bucket.download, FRAGMENTS + name),
+                        tmp_dir=self.layout.tmp,
+                    )
+                except FileNotFoundError:
+                    # Merged and retired by another node since the listing (its catalog
+                    # version holds it now): failed a build with "internal error".
+                    listed.discard(name)
+                    continue
                 got += 1
             self._write_seen(seen & listed | {n for n in listed if (here / n).exists()})
         self.listed_fragments = frozenset(listed)

@@ -185,14 +185,17 @@ def schema_version(conn: sqlite3.Connection) -> int | None:
         raise sqlite3.DatabaseError(f"its schema_version {row[0]!r} is not a number") from None
 
 
-def ensure_schema(conn: sqlite3.Connection, path: Path, *, writable: bool) -> None:
-    """Create the tables of a new catalog, or migrate an older one; check the version.
+def ensure_schema(
+    conn: sqlite3.Connection, path: Path, *, writable: bool, version: int | None
+) -> None:
+    """Create the tables of a new catalog, or migrate an older one; check the version
+    (``version``: :func:`schema_version` as the connection read it, read again under the
+    write lock before any change).
 
     Raises:
         StoreError: a version this featbake does not read, or (read-only) one it would have to
             create or migrate.
     """
-    version = schema_version(conn)
     if version == SCHEMA_VERSION:
         return
     if version is not None and version > SCHEMA_VERSION:
@@ -488,6 +491,65 @@ def open_sqlite(
     )
 
 
+#: The first bytes of every SQLite database file.
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def sqlite_header_problem(header: bytes, size: int) -> str | None:
+    """What is wrong with a whole SQLite file (no ``-wal`` beside it: a downloaded catalog
+    version) by its 100-byte header and its size, or None: not SQLite, cut short or grown
+    (the header's page count times its page size is not the size), or holding no table (its
+    schema cookie is 0: an emptied file). Reads no page: a tier's copy is checked at each
+    open, where ``quick_check`` (at download) would read the whole file.
+
+    Example:
+        >>> head = bytearray(SQLITE_MAGIC + bytes(84))
+        >>> for at, width, value in ((16, 2, 4096), (24, 4, 1), (28, 4, 2), (40, 4, 3),
+        ...                          (92, 4, 1)):
+        ...     head[at : at + width] = value.to_bytes(width, "big")
+        >>> sqlite_header_problem(bytes(head), 8192), sqlite_header_problem(bytes(head), 4096)
+        (None, 'its header counts 2 pages of 4096 bytes (8192), the file holds 4096')
+        >>> sqlite_header_problem(b"", 0)
+        'not an SQLite file (0 bytes)'
+    """
+    if len(header) < 100 or not header.startswith(SQLITE_MAGIC):
+        return f"not an SQLite file ({size} bytes)"
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    pages = int.from_bytes(header[28:32], "big")
+    counted = header[92:96] == header[24:28]  # the page count is valid for this change
+    if counted and pages * page_size != size:
+        return (
+            f"its header counts {pages} pages of {page_size} bytes ({pages * page_size}), "
+            f"the file holds {size}"
+        )
+    if int.from_bytes(header[40:44], "big") == 0:
+        return "it holds no table"
+    return None
+
+
+def whole_catalog_problem(path: Path) -> str | None:
+    """What keeps the file at ``path`` from being a whole catalog, read cheaply (its header,
+    :func:`sqlite_header_problem`, then its schema version: two pages), or None. A missing
+    or unreadable file: its error. Damage inside a page is ``quick_check``'s to find."""
+    try:
+        with open(path, "rb") as f:
+            problem = sqlite_header_problem(f.read(100), os.fstat(f.fileno()).st_size)
+    except OSError as e:
+        return f"cannot read it: {e.strerror or e}"
+    if problem is not None:
+        return problem
+    try:
+        conn = open_sqlite(path, Access.IMMUTABLE)
+        try:
+            version = schema_version(conn)
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as e:
+        return f"unreadable: {e}"
+    return "it holds no catalog tables" if version is None else None
+
+
 def create_catalog_whole(path: Path, tmp_dir: Path, timeout: float) -> bool:
     """Make a new, empty catalog appear at ``path`` whole: its schema and journal mode written
     to a file in a folder of ``tmp_dir`` (same filesystem) with no sync of SQLite's own, that
@@ -517,7 +579,7 @@ def create_catalog_whole(path: Path, tmp_dir: Path, timeout: float) -> bool:
         try:
             conn.execute("PRAGMA synchronous=OFF")  # the one fsync below makes it durable
             conn.execute(f"PRAGMA journal_mode={detect(path.parent).journal_mode}")
-            ensure_schema(conn, made, writable=True)
+            ensure_schema(conn, made, writable=True, version=None)  # a new file
         finally:
             conn.close()  # in WAL mode the last close folds the WAL into the file
         fsync_file(made)
@@ -679,11 +741,14 @@ class CatalogConnection(ProcessLocalState):
                 self.layout.refuse_fresh_catalog(allow=self.rebuild)
                 create_catalog_whole(self.path, self.layout.tmp, self.timeout)
             conn = self._open()
+            checked = self.fragment is None or self.access is Access.READ_WRITE
+            version = schema_version(conn) if checked else None
             if self.fragment is None and not (made_here or self.rebuild):
-                self._refuse_emptied(conn)
+                self._refuse_emptied(conn, version)
             # A sealed fragment is read by column name whatever schema version wrote it.
-            if self.fragment is None or self.access is Access.READ_WRITE:
-                ensure_schema(conn, self.path, writable=self.access is Access.READ_WRITE)
+            if checked:
+                writable = self.access is Access.READ_WRITE
+                ensure_schema(conn, self.path, writable=writable, version=version)
         except sqlite3.OperationalError as e:
             if self._no_room_for_shm(e):
                 # A full disk: a read-only open of a WAL catalog must make (or size) its -shm
@@ -698,12 +763,12 @@ class CatalogConnection(ProcessLocalState):
             raise self.unreadable(e) from e
         return conn
 
-    def _refuse_emptied(self, conn: sqlite3.Connection) -> None:
+    def _refuse_emptied(self, conn: sqlite3.Connection, version: int | None) -> None:
         """Raise where the store's catalog has no tables (a file emptied or truncated to
         nothing) though the store holds shards or root manifests: taken as a new catalog, it
         read as a store holding nothing, a build encoded everything again and gc deleted every
         shard as unnamed. Rebuilding it is ``verify --repair``'s (``rebuild``)."""
-        if self.layout.remote is not None or schema_version(conn) is not None:
+        if self.layout.remote is not None or version is not None:
             return
         if not self.layout.holds_what_a_catalog_names():
             return  # a store's first catalog, another process filling it in place
@@ -733,7 +798,14 @@ class CatalogConnection(ProcessLocalState):
             "if it is damaged, move it aside and run `featbake verify --repair` to rebuild it "
             "from the shards"
         )
-        if self.read_only and os.path.exists(f"{self.path}-journal"):
+        if self.layout.remote is not None:
+            # A node's copy of a bucket's catalog version: the bucket's own is whole (checked
+            # at download); this copy was damaged on this node's disk since.
+            fix = (
+                "it is this node's copy of the bucket's catalog: delete it and catalog.version "
+                "beside it, and the next command downloads it again"
+            )
+        elif self.read_only and os.path.exists(f"{self.path}-journal"):
             # A rollback journal left by a writer killed mid-transaction: only a read-write
             # connection can roll it back (SQLite does on its first read).
             fix = (

@@ -196,6 +196,12 @@ def _require_catalog(layout: Layout) -> None:
             f"the store {describe(layout)} holds only unmerged build fragments; run `featbake "
             "merge` once every part of the build is done"
         )
+    if isinstance(layout.remote, BucketStore) and layout.remote.holds_shard_objects():
+        raise StoreError(
+            f"the store {describe(layout)} holds shard objects but no catalog version (its "
+            "catalog/ objects were deleted): nothing can name its features; restore catalog/ "
+            "from a copy of the bucket, or build into it again (every input is encoded again)"
+        )
     if layout.remote is not None:
         raise StoreError(
             f"the store {describe(layout)} has no published catalog yet; build into it "

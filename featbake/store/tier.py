@@ -14,6 +14,7 @@ readable to that reader (POSIX unlink), so eviction never breaks a read in fligh
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -222,7 +223,7 @@ class DiskTier:
                 return final
             try:
                 room = Room(size, frozenset(keep), wait)
-                self._download_checked(room, download, where, fd, part, evicted)
+                self._download_checked(name, room, download, where, fd, part, evicted)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(part)  # its reserved space goes back to the budget at once
@@ -240,6 +241,7 @@ class DiskTier:
 
     def _download_checked(
         self,
+        name: str,
         room: Room,
         download: Callable[[Path], int],
         where: str,
@@ -247,11 +249,13 @@ class DiskTier:
         part: Path,
         evicted: Callable[[], None] | None,
     ) -> None:
-        """Reserve ``room``, download into ``part`` and check every tensor's CRC, fetching
-        once more on a mismatch.
+        """Reserve ``room``, download into ``part`` and check every tensor's CRC and the
+        bytes' SHA-256 against ``name``, fetching once more on a mismatch.
 
         Raises:
-            StoreCorrupt: the bytes failed their checksums on every try.
+            StoreCorrupt: the bytes failed their checksums, or are another shard's (an object
+                overwritten with another's sound bytes: kept, every read of it failed on this
+                node even after the object was put right), on every try.
         """
         self._reserve(fd, part, room)
         if evicted:  # the caller closes what it held open of the evicted files
@@ -259,6 +263,14 @@ class DiskTier:
         for attempt in range(CHECKED_TRIES):
             self.fetched_bytes += download(part)
             bad = _failing_tensors(part)
+            if not bad and (named := content_name(part)) != name:
+                if attempt == CHECKED_TRIES - 1:
+                    raise StoreCorrupt(
+                        f"{where} holds the bytes of shard {named[:16]}..., not of its own name "
+                        "(it was overwritten): nothing of it is served; delete it, then build "
+                        "again (a build encodes again what a missing shard held)"
+                    )
+                continue
             if not bad:
                 break
             if attempt == CHECKED_TRIES - 1:
@@ -428,6 +440,12 @@ def _abandoned(part: Path) -> bool:
         return time.time() - os.fstat(lock.fd).st_mtime > 1.0
     finally:
         lock.close()
+
+
+def content_name(path: Path) -> str:
+    """The SHA-256 of a file's bytes: the name a shard of those bytes has."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _failing_tensors(path: Path) -> list[str]:

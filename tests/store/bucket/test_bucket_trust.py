@@ -76,6 +76,57 @@ def assert_live(ds: CachedFeatureDataset, encoder: Path) -> None:
         torch.testing.assert_close(ds[i], live_features(encoder, Path(ds.path(i))))
 
 
+def test_a_shard_object_holding_another_shards_bytes_is_not_kept_in_a_tier(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two shard objects overwritten with each other's sound bytes pass every CRC: a whole
+    fetch kept each in the tier under the other's name, every read failed ("holds no tensor
+    ... verify --repair"), and went on failing on that node after the objects were deleted and
+    built again. A fetch checks the bytes' SHA-256 against the name now: refused in one line
+    naming the object, nothing kept, and once the objects are put right the node serves."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    bucket = ObjectStore(BucketURL.parse(s3.url))
+    first, second = s3.objects("shards/")[:2]
+    for name in (first, second):
+        bucket.download(name, tmp_path / Path(name).name)
+    bucket.put(first, tmp_path / Path(second).name, create=False)
+    bucket.put(second, tmp_path / Path(first).name, create=False)
+    monkeypatch.setenv("FEATBAKE_BUCKET_READS", "whole")
+    node = tmp_path / "node-c"
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=node, on_miss="error"
+    )
+    with pytest.raises(StoreCorrupt, match="holds the bytes of shard") as refused:
+        for i in range(len(ds)):
+            ds[i]
+    assert "\n" not in str(refused.value) and "shards/" in str(refused.value)
+    kept = {p.stem for p in node.rglob("*.safetensors")}
+    assert not kept & {Path(first).stem, Path(second).stem}
+    bucket.delete([first, second])  # as verify says, then built again elsewhere
+    again = build(audio_dir, encoder_file, cache=open_store(s3.url, local_cache=tmp_path / "b"))
+    assert again.encoded > 0
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=node, on_miss="error"
+    )
+    assert_live(ds, encoder_file)
+
+
+def test_a_bucket_whose_catalog_versions_were_deleted_says_so(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """Every catalog version deleted, the shards left: a fresh node said the store had "no
+    published catalog yet; build into it", as of a new one. It says the versions are gone and
+    what to do, in one line."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0)
+    bucket = ObjectStore(BucketURL.parse(s3.url))
+    bucket.delete(s3.objects("catalog/"))
+    got = invoke("stats", "--cache", s3.url, "--local-cache", tmp_path / "fresh")
+    lines = got.stderr.strip().splitlines()
+    assert got.returncode != 0 and len(lines) == 1, got.stderr
+    assert "holds shard objects but no catalog version" in lines[0], lines[0]
+    assert "restore catalog/" in lines[0]
+
+
 # -- verify checks the bucket's objects -----------------------------------------------------------
 def test_verify_reads_the_objects_not_the_tier_that_holds_good_copies(
     place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
@@ -138,13 +189,41 @@ def roots_in_bucket(place: Place, tmp: Path) -> list[str]:
         conn.close()
 
 
+def lose_catalog(catalog: Path, how: str) -> None:
+    """The tier's copy of the catalog lost as ``how`` says; its ``catalog.version`` stays."""
+    import sqlite3
+
+    if how == "deleted":
+        catalog.unlink()
+    elif how == "emptied":
+        catalog.write_bytes(b"")  # a power cut between its rename and its pages reaching disk
+    elif how == "cut short":
+        catalog.write_bytes(catalog.read_bytes()[:4096])
+    else:  # its tables dropped: an SQLite file of its own, holding none
+        catalog.unlink()
+        conn = sqlite3.connect(catalog)
+        conn.execute("CREATE TABLE x(a)")
+        conn.execute("DROP TABLE x")
+        conn.close()
+
+
+@pytest.mark.parametrize("how", ["deleted", "emptied", "cut short", "no tables"])
 def test_a_tier_that_lost_its_catalog_fetches_it_again_before_it_publishes(
-    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path
+    place: Place, audio_dir: Path, encoder_file: Path, tmp_path: Path, how: str
 ) -> None:
+    """A tier whose copy is gone, emptied, cut short or holds no table, its pin kept, fetches
+    the bucket's again: trusted by its pin, an empty copy served nothing (``stats``: no root)
+    and a build of other data published a next version from it, every earlier root lost to
+    every node."""
     tier = tmp_path / "node"
     build(audio_dir, encoder_file, cache=open_store(place.url, local_cache=tier), workers=0)
     (catalog,) = tier.rglob("catalog.sqlite")
-    catalog.unlink()  # catalog.version stays
+    lose_catalog(catalog, how)
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=place.url, local_cache=tier, on_miss="error"
+    )
+    assert_live(ds, encoder_file)
+    lose_catalog(catalog, how)
     other = tmp_path / "other"
     write_audio_folder(other, 2, seconds=0.5, seed=9)
     build(other, encoder_file, cache=open_store(place.url, local_cache=tier), workers=0)

@@ -91,6 +91,30 @@ def test_a_root_dropped_stays_dropped_when_gc_runs_on_a_node_that_copied_its_fra
     assert verify(s3.url, local_cache=tmp_path / "verifier").status == "clean"
 
 
+def test_a_fragment_retired_between_the_listing_and_its_download_is_passed_over(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another node's merge retires a fragment after this node listed the fragments and before
+    it downloads it (two builds of one root at once: one run in four): the build failed with
+    ``internal error: FileNotFoundError``. The fragment is passed over (the other node's
+    catalog version holds what it named), the rest downloaded."""
+    for part in ("0/2", "1/2"):
+        build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
+    node = bucket_store(s3.url, tmp_path / "a")
+    retired = sorted(o.name for o in node.bucket.list(bucket_mod.FRAGMENTS))[0]
+    download = node.bucket.download
+
+    def retired_first(name: str, dest: Path) -> int:
+        if name == retired:
+            node.bucket.delete([retired])  # the other node's merge, between list and read
+        return download(name, dest)
+
+    monkeypatch.setattr(node.bucket, "download", retired_first)
+    assert node.sync_fragments() == 3
+    assert Path(retired).name not in node.listed_fragments
+    assert len(node.listed_fragments) == 3
+
+
 def test_a_gc_killed_on_a_bucket_store_leaves_no_catalog_copy_behind_for_ever(
     s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
