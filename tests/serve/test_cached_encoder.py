@@ -1192,3 +1192,32 @@ def test_a_time_first_encoder_is_refused_not_served_other_sequences_steps(
         other[0] = rows[1]  # one row cached, two new
         same(ce(other), wrapped(other))
     assert ce.stats["encoded"] == 4
+
+
+class LogEnergy(nn.Module):
+    """Frames' log energy (-inf on zero padding) and a code per frame (an int part)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        frames = x.reshape(x.shape[0], -1, 160)
+        energy = (frames * self.scale).pow(2).sum(-1).log()
+        return {"energy": energy, "codes": (frames.sum(-1) > 0).long()}
+
+
+def test_rows_whose_outputs_hold_infinities_or_codes_are_not_refused(tmp_path: Path) -> None:
+    """The row check compared ``inf - inf`` (NaN) with its tolerance and refused an encoder
+    whose log energy is -inf on zero padding as "not independent ... batch_first=False"; it
+    compares infinities and NaNs by where they are, and int parts (codes) not at all."""
+    enc = frozen(LogEnergy())
+    ce = CachedEncoder(enc, cache=tmp_path / "s")
+    x = waves(3)[:, :1600].clone()
+    x[1:, 800:] = 0  # two rows padded with zeros: -inf energy there
+    with torch.no_grad():
+        got, want = ce(x), enc(x)
+    assert torch.isinf(want["energy"]).any()
+    torch.testing.assert_close(got["energy"], want["energy"])
+    assert torch.equal(got["codes"], want["codes"])
+    assert ce.stats["encoded"] == 3
