@@ -98,13 +98,17 @@ def recipe_differences(asked: Mapping[str, Any], stored: Mapping[str, Any]) -> l
         ["dtype='float32' in the store, 'float16' asked"]
     """
     fields = sorted((set(asked) | set(stored)) - {"version"})
-    return [
-        OWN_VERSIONS[f]
-        if f in OWN_VERSIONS
-        else f"{f}={stored.get(f)!r} in the store, {asked.get(f)!r} asked"
-        for f in fields
-        if asked.get(f) != stored.get(f)
-    ]
+    said = []
+    for f in fields:
+        if asked.get(f) == stored.get(f):
+            continue
+        if f in OWN_VERSIONS:
+            # Said only where both crop (else max_seconds' own difference says it all).
+            if asked.get("max_seconds") is not None and stored.get("max_seconds") is not None:
+                said.append(OWN_VERSIONS[f])
+            continue
+        said.append(f"{f}={stored.get(f)!r} in the store, {asked.get(f)!r} asked")
+    return said
 
 
 #: Recipe fields that are featbake's own versions of a step, not options a user passes: a

@@ -237,6 +237,11 @@ def test_an_older_crop_is_told_apart_and_said_as_what_it_is() -> None:
     (said,) = recipe_differences(now, older)
     assert "made by an older featbake" in said and "build it again" in said
     assert "crop=" not in said
+    # Cropped against whole files (either way round): max_seconds says it, not the version.
+    whole = Recipe().as_dict()
+    for asked, stored in ((now, whole), (whole, now)):
+        (differs,) = recipe_differences(asked, stored)
+        assert differs.startswith("max_seconds="), differs
 
 
 def _one_error_line(proc, starts: str) -> None:
