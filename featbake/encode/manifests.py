@@ -956,15 +956,17 @@ def lhotse_set_of(fields: Mapping[str, Any]) -> str | None:
 
 def refuse_lhotse_set(origin: str, fields: Mapping[str, Any], column: str) -> None:
     """Refuse a lhotse recordings or supervisions manifest given as ``--data`` (its first row
-    holds no path in ``column``): the rows name no audio featbake can read, and the advice
-    to name another column failed on every row.
+    lacks ``column``, or holds lhotse's list of sources there): the rows name no audio
+    featbake can read, and the advice to name another column failed on every row. A row of
+    one's own that holds the column (a null path too) is read as rows are.
 
     Raises:
         SourceError: ``fields`` is such a row.
     """
     kind = lhotse_set_of(fields)
-    if kind is None or isinstance(fields.get(column), str):
-        return
+    held = fields.get(column)
+    if kind is None or (column in fields and not isinstance(held, (list, dict))):
+        return  # a row of the user's own (a bad value is that row's error)
     raise SourceError(
         f"{origin} is a lhotse {kind} manifest, not a cut manifest: featbake reads cuts; "
         "make them with CutSet.from_manifests(recordings=..., supervisions=...)"

@@ -878,9 +878,10 @@ def test_a_lhotse_recordings_or_supervisions_manifest_is_refused_naming_cuts(
         assert got.returncode == SourceError.exit_code and len(lines) == 1, got.stderr
         assert f"is a lhotse {kind} manifest" in lines[0] and "CutSet.from_manifests" in lines[0]
     rows = tmp_path / "rows.jsonl"
-    rows.write_text(json.dumps(
-        {"path": "r.wav", "recording_id": "r", "start": 0.5, "duration": 1.0}) + "\n")  # fmt: skip
-    assert build(rows, encoder_file, cache=store_dir, workers=0).encoded == 1
+    timed = {"path": "r.wav", "recording_id": "r", "start": 0.5, "duration": 1.0}
+    rows.write_text("".join(json.dumps(r) + "\n" for r in ({**timed, "path": None}, timed)))
+    report = build(rows, encoder_file, cache=store_dir, workers=0)
+    assert report.encoded == 1 and len(report.failed) == 1  # its null path is that row's error
 
 
 def test_perturbed_cuts_without_lhotse_are_refused_one_line_each(
