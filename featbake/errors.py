@@ -151,7 +151,7 @@ def first_line(e: BaseException) -> str:
     return text[0].strip() if text else type(e).__name__
 
 
-def brief(e: BaseException, limit: int = 300) -> str:
+def brief(e: BaseException, limit: int = 500) -> str:
     r"""``e``'s message on one line, cut after ``limit`` characters (its class's name if it has
     none): for a library's error whose detail is on its later lines but may run to thousands
     of characters (transformers' list of every config class ``AutoModel`` knows).

@@ -494,7 +494,9 @@ def _config_with(folder: Path, overrides: dict[str, Any]) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(folder), **overrides, local_files_only=True)
+        return AutoConfig.from_pretrained(
+            str(folder), **overrides, local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:
         raise EncoderLoadError(
             f"transformers cannot read the config in {folder} with the config_kwargs of its "
@@ -760,13 +762,29 @@ def _from_pretrained(
             local_files_only=True,
             dtype=torch.float32,
             output_loading_info=True,
+            trust_remote_code=False,  # asked, transformers waited 15 s on a prompt first
             **kwargs,
         )
     except Exception as e:
-        raise EncoderLoadError(f"transformers cannot load {folder}: {brief(e)}") from e
+        raise EncoderLoadError(
+            own_code_refusal(folder)
+            if "trust_remote_code" in str(e)
+            else f"transformers cannot load {folder}: {brief(e)}"
+        ) from e
     finally:
         hf_logging.set_verbosity(verbosity)
     return model, info
+
+
+def own_code_refusal(folder: Path) -> str:
+    """Why a folder whose model is its own code (``auto_map`` in its config.json, for a model
+    type transformers does not hold) is not loaded: featbake never runs a folder's code, which
+    its key would not cover."""
+    return (
+        f"{folder} holds a model of its own code (auto_map in config.json), which featbake "
+        "does not run (its key could not cover that code); build the model in a module of "
+        "your own and pass its import path as --encoder (mypkg.models:build_encoder)"
+    )
 
 
 def only_pooler_missing(model: Any, info: dict[str, Any]) -> bool:

@@ -381,7 +381,9 @@ def folder_tokenizer(folder: Path, **kwargs: Any) -> Any:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "sequence longer than max length": featbake says it
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), **kwargs, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(folder), **kwargs, local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:
         raise EncoderLoadError(
             f"transformers cannot load the tokenizer in {folder}: {first_line(e)}; save it "
@@ -896,41 +898,56 @@ SAFETENSORS_FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F
 
 
 def weights_dtype(folder: Path) -> str | None:
-    """The dtype transformers' "auto" takes from a folder's weights, by its rule
-    (``get_state_dict_dtype``): the first floating tensor's (float8 passed over) of the
-    first weights file it reads (:func:`first_weights_file`), in that file's order
-    (safetensors lists its tensors by name; a ``pytorch_model.bin`` in its saved order, read
-    on the meta device: no weight is read); None where that is float32 or none can be read.
-    A float32 file holding some float16 tensors loads in float32, whichever file holds it."""
+    """The dtype transformers' "auto" takes from a folder's weights, by its rule: a sharded
+    folder's index's stated ``metadata.dtype``, else (``get_state_dict_dtype``) the first
+    floating tensor's (float8 passed over) of the first weights file it reads
+    (:func:`first_weights_file`), in that file's order (safetensors lists its tensors by name;
+    a ``pytorch_model.bin`` in its saved order, read on the meta device: no weight is read);
+    None where that is float32 or none can be read. A float32 file holding some float16
+    tensors loads in float32, whichever file holds it."""
     found = first_weights_file(folder)
     if found is None:
         return None
-    read = _safetensors_first_float if found.suffix == ".safetensors" else _pickled_first_float
-    kind = read(found)
+    kind = found.stated
+    if kind is None:
+        safetensors = found.path.suffix == ".safetensors"
+        kind = (_safetensors_first_float if safetensors else _pickled_first_float)(found.path)
     return None if kind in (None, "float32") else kind
 
 
-def first_weights_file(folder: Path) -> Path | None:
-    """The weights file transformers reads a dtype from: the first (by name) of the
-    safetensors files (those its index names, else ``model.safetensors``), else of the
-    ``pytorch_model.bin`` files; None where there is neither."""
-    for index, single in (
-        ("model.safetensors.index.json", "model.safetensors"),
-        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
-    ):
-        first = folder / _shard_names(folder, index, single)[0]
-        if first.is_file():
-            return first
+@dataclass(frozen=True)
+class WeightsFile:
+    """The weights file transformers reads a folder's dtype from, and the dtype its index
+    states (a sharded folder's ``metadata.dtype``; None where it states none)."""
+
+    path: Path
+    stated: str | None = None
+
+
+#: The weights files transformers looks for, in its order: each single file before its index.
+WEIGHTS_FILES = (
+    ("model.safetensors", "model.safetensors.index.json"),
+    ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+)
+
+
+def first_weights_file(folder: Path) -> WeightsFile | None:
+    """The weights file transformers reads a dtype from, as it picks one: ``model.safetensors``,
+    else the first (by name) of the files ``model.safetensors.index.json`` names, else the same
+    for ``pytorch_model.bin``; None where there is none."""
+    for single, index in WEIGHTS_FILES:
+        if (folder / single).is_file():
+            return WeightsFile(folder / single)
+        try:
+            raw = json.loads((folder / index).read_text())
+            names = sorted({str(n) for n in raw["weight_map"].values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if names and (folder / names[0]).is_file():
+            meta = raw.get("metadata")
+            stated = meta.get("dtype") if isinstance(meta, dict) else None
+            return WeightsFile(folder / names[0], _dtype_name(stated))
     return None
-
-
-def _shard_names(folder: Path, index: str, single: str) -> list[str]:
-    """A folder's weight files: those its index names (sorted), else the single file's name."""
-    try:
-        names = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return [single]
-    return [str(n) for n in names] or [single]
 
 
 def _safetensors_first_float(path: Path) -> str | None:

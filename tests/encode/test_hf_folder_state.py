@@ -154,8 +154,10 @@ def test_a_fingerprint_recorded_within_the_racy_window_is_not_trusted(
 def test_a_remote_code_folder_is_not_loaded_so_nothing_is_remembered(
     tmp_path: Path, as_installed: None
 ) -> None:
-    """featbake never passes trust_remote_code: a folder whose model is its own code (an
-    auto_map to modeling code importing a module beside it) is refused, and nothing recorded."""
+    """featbake never runs a folder's code (it passes trust_remote_code=False, where leaving it
+    unset made transformers wait 15 s on a prompt): a folder whose model is its own code (an
+    auto_map to modeling code importing a module beside it) is refused in one line saying so,
+    and nothing recorded."""
     folder, store = tmp_path / "custom", tmp_path / "s"
     folder.mkdir()
     (folder / "helper.py").write_text("SCALE = 2.0\n")
@@ -163,8 +165,9 @@ def test_a_remote_code_folder_is_not_loaded_so_nothing_is_remembered(
     auto_map = {"AutoConfig": "modeling_x.XConfig", "AutoModel": "modeling_x.XModel"}
     config = {"model_type": "featbake-x", "architectures": ["XModel"], "auto_map": auto_map}
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(FeatbakeError):
+    with pytest.raises(FeatbakeError, match="holds a model of its own code") as refused:
         record(folder, store)
+    assert "\n" not in str(refused.value)
     assert cached(folder, store) is None
 
 

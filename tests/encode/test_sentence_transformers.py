@@ -610,6 +610,40 @@ def test_mixed_dtype_weights_take_the_dtype_transformers_loads(
     assert weights_dtype(bert) == (None if loaded == torch.float32 else "float16")
 
 
+@pytest.mark.parametrize("layout", ["single beside shards", "index states a dtype"])
+def test_a_sharded_folders_dtype_is_read_where_transformers_reads_it(
+    tmp_path: Path, layout: str
+) -> None:
+    """transformers reads ``model.safetensors`` before ``model.safetensors.index.json``, and a
+    sharded folder's dtype from its index's ``metadata.dtype`` where it states one: featbake
+    read the index first and never its metadata (a float32 single file beside float16 shards
+    was refused for ``sentence_embedding``; float32 shards stated float16 were taken for
+    float32). Checked against transformers' own load."""
+    from featbake.encode.hf_folders import weights_dtype
+
+    bert = save_bert(tmp_path / "bert")
+    state = safetensors.load_file(bert / "model.safetensors")
+    names = sorted(state)
+    halves = (names[: len(names) // 2], names[len(names) // 2 :])
+    half = layout == "single beside shards"
+    index = {"metadata": {} if half else {"dtype": "float16"}, "weight_map": {}}
+    for i, part in enumerate(halves):
+        shard = f"model-{i + 1:05d}-of-00002.safetensors"
+        tensors = {n: state[n].half() if half else state[n] for n in part}
+        safetensors.save_file(tensors, bert / shard)
+        index["weight_map"].update(dict.fromkeys(part, shard))
+    write_json(bert / "model.safetensors.index.json", index)
+    if not half:
+        (bert / "model.safetensors").unlink()  # the shards alone
+    config = json.loads((bert / "config.json").read_text())
+    write_json(bert / "config.json", {k: v for k, v in config.items() if "dtype" not in k})
+    loaded = transformers.AutoModel.from_pretrained(str(bert)).dtype
+    if loaded == torch.float32 and not half:
+        pytest.skip("this transformers loads a model in float32 whatever its index says")
+    assert loaded == (torch.float32 if half else torch.float16)
+    assert weights_dtype(bert) == (None if half else "float16")
+
+
 #: A Greek word ending in a capital sigma, which lowercases to a final sigma in Python alone.
 GREEK_WORD = "\u039f\u0394\u039f\u03a3"
 #: Its stem and its sigma as the tokenizer lowercases them (a word-piece each), and the whole
