@@ -692,6 +692,20 @@ def test_roots_show_each_text_roots_tokenizer_and_limit(
     assert f"text float32 {tokenizer} max 4 tokens" in shown.stdout
 
 
+def tokens_alone_equal_run_now(
+    ds: CachedFeatureDataset, model: Any, folder: Path, max_length: int
+) -> None:
+    """Each text ``ds`` serves is ``tokens`` alone, equal to ``model`` run now on the folder's
+    tokenizer's ids of it (cut at ``max_length``)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    for i in range(len(ds)):
+        enc = tokenizer(Path(ds.path(i)).read_text(), truncation=True, max_length=max_length)
+        with torch.inference_mode():
+            want = model(input_ids=torch.tensor([enc["input_ids"]])).last_hidden_state[0]
+        assert set(ds[i]) == {"tokens"}
+        assert rel_error(ds[i]["tokens"], want) < TOLERANCE
+
+
 def test_a_masked_lm_folder_serves_its_base_models_tokens(
     models: dict[str, TextModel], texts: Path, tmp_path: Path
 ) -> None:
@@ -707,13 +721,7 @@ def test_a_masked_lm_folder_serves_its_base_models_tokens(
         texts, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
     )
     base = transformers.BertModel.from_pretrained(str(folder), add_pooling_layer=False).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
-    for i in range(len(ds)):
-        enc = tokenizer(Path(ds.path(i)).read_text(), truncation=True, max_length=64)
-        with torch.inference_mode():
-            want = base(input_ids=torch.tensor([enc["input_ids"]])).last_hidden_state[0]
-        assert set(ds[i]) == {"tokens"}
-        assert rel_error(ds[i]["tokens"], want) < TOLERANCE
+    tokens_alone_equal_run_now(ds, base, folder, 64)
     # A layer its config lacks is not a head: refused by name (before, dropped in silence)
     config.num_hidden_layers -= 1
     config.save_pretrained(folder)
@@ -875,6 +883,22 @@ def test_a_text_column_no_row_holds_is_one_error_before_any_work(tmp_path: Path)
         TextRows(str(tsv)).scan([".txt"])  # the default column: text
 
 
+def long_and_short_built(
+    folder: Path, tmp_path: Path, long: str, short: str
+) -> CachedFeatureDataset:
+    """A long and a short text (``long.txt``, ``short.txt``) built with ``folder`` into a store,
+    and served from the store alone."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "long.txt").write_text(long, encoding="utf-8")
+    (texts / "short.txt").write_text(short, encoding="utf-8")
+    report = build(texts, folder, cache=tmp_path / "store", workers=0)
+    assert report.encoded == 2 and not report.failed, report.failed
+    return CachedFeatureDataset(
+        texts, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
+    )
+
+
 def test_a_roberta_text_is_cut_where_its_positions_end_not_two_past(tmp_path: Path) -> None:
     """RoBERTa's positions start past its padding id: a table of ``max_position_embeddings``
     rows holds ``pad_token_id + 1`` fewer tokens (514 rows: 512). Taken whole, every text
@@ -883,15 +907,7 @@ def test_a_roberta_text_is_cut_where_its_positions_end_not_two_past(tmp_path: Pa
     cut to what the model holds now, served equal to transformers; a larger --max-tokens is
     one line before any work."""
     folder = save_bertweet(tmp_path / "roberta", positions=14)  # pad 1: 12 tokens
-    texts = tmp_path / "texts"
-    texts.mkdir()
-    (texts / "long.txt").write_text(" ".join([BERTWEET_TEXT] * 5), encoding="utf-8")
-    (texts / "short.txt").write_text(BERTWEET_TEXT, encoding="utf-8")
-    report = build(texts, folder, cache=tmp_path / "store", workers=0)
-    assert report.encoded == 2 and not report.failed, report.failed
-    ds = CachedFeatureDataset(
-        texts, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
-    )
+    ds = long_and_short_built(folder, tmp_path, " ".join([BERTWEET_TEXT] * 5), BERTWEET_TEXT)
     assert ds.recipe.text is not None and ds.recipe.text.max_length == 12
     assert_served_equal(ds, TextModel(folder, "roberta", 12))
     with pytest.raises(ConfigError, match="past the 12 tokens"):
@@ -1066,24 +1082,10 @@ def test_a_gpt2_text_is_cut_at_its_n_positions(tmp_path: Path) -> None:
     --max-tokens was taken. Cut where the model ends, served equal to transformers run now;
     --max-tokens past it and --layers count by its own names."""
     folder = save_gpt2(tmp_path / "gpt2", positions=12)
-    texts = tmp_path / "texts"
-    texts.mkdir()
-    (texts / "long.txt").write_text(" ".join(TEXTS), encoding="utf-8")
-    (texts / "short.txt").write_text(TEXTS[1], encoding="utf-8")
-    report = build(texts, folder, cache=tmp_path / "store", workers=0)
-    assert report.encoded == 2 and not report.failed, report.failed
-    ds = CachedFeatureDataset(
-        texts, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
-    )
+    ds = long_and_short_built(folder, tmp_path, " ".join(TEXTS), TEXTS[1])
     assert ds.recipe.text is not None and ds.recipe.text.max_length == 12
     model = transformers.GPT2Model.from_pretrained(str(folder)).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
-    for i in range(len(ds)):
-        enc = tokenizer(Path(ds.path(i)).read_text(), truncation=True, max_length=12)
-        with torch.inference_mode():
-            want = model(input_ids=torch.tensor([enc["input_ids"]])).last_hidden_state[0]
-        assert set(ds[i]) == {"tokens"}
-        assert rel_error(ds[i]["tokens"], want) < TOLERANCE
+    tokens_alone_equal_run_now(ds, model, folder, 12)
     lengths = {Path(ds.path(i)).name: ds[i]["tokens"].shape[0] for i in range(len(ds))}
     assert lengths["long.txt"] == 12 and lengths["short.txt"] < 12
     with pytest.raises(ConfigError, match="past the 12 tokens"):
@@ -1112,15 +1114,7 @@ def test_a_whole_clip_folders_text_recipe_reads_its_text_tower(tmp_path: Path) -
     folder = tmp_path / "clip-whole"
     transformers.CLIPModel(config).eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    texts = tmp_path / "texts"
-    texts.mkdir()
-    (texts / "long.txt").write_text(" ".join(["the cat sat on the mat"] * 8), encoding="utf-8")
-    (texts / "short.txt").write_text(TEXTS[0], encoding="utf-8")
-    report = build(texts, folder, cache=tmp_path / "store", workers=0)
-    assert report.encoded == 2 and not report.failed, report.failed
-    ds = CachedFeatureDataset(
-        texts, encoder=folder, cache=tmp_path / "store", source="text", on_miss="error"
-    )
+    ds = long_and_short_built(folder, tmp_path, " ".join(["the cat sat on the mat"] * 8), TEXTS[0])
     assert ds.recipe.text is not None and ds.recipe.text.max_length == 24
     model = transformers.CLIPModel.from_pretrained(str(folder)).eval()
     for i in range(len(ds)):
