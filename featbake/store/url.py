@@ -243,11 +243,21 @@ def azure_blob_endpoint(env: Mapping[str, str]) -> str:
     Example:
         >>> azure_blob_endpoint({"AZURE_STORAGE_ACCOUNT_NAME": "team"})
         'https://team.blob.core.windows.net'
+        >>> azure_blob_endpoint({"AZURE_STORAGE_CONNECTION_STRING": "hello"})
+        Traceback (most recent call last):
+        featbake.errors.ConfigError: AZURE_STORAGE_CONNECTION_STRING is set but names no ...
     """
     fields = connection_fields(env.get("AZURE_STORAGE_CONNECTION_STRING", ""))
     if fields.get("BlobEndpoint"):
         return fields["BlobEndpoint"].rstrip("/")  # checked where the client is made
     account = fields.get("AccountName") or env.get("AZURE_STORAGE_ACCOUNT_NAME", "")
+    if not account and env.get("AZURE_STORAGE_CONNECTION_STRING", "").strip():
+        raise ConfigError(
+            "AZURE_STORAGE_CONNECTION_STRING is set but names no AccountName or BlobEndpoint "
+            "(it holds name=value pairs split by ';'); copy it again from the portal's Access "
+            "keys, or Azurite's: DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;"
+            "AccountKey=...;BlobEndpoint=http://127.0.0.1:10000/devstoreaccount1"
+        )
     if not account:
         raise ConfigError(
             "an az:// store needs its storage account: set AZURE_STORAGE_CONNECTION_STRING, or "
