@@ -635,10 +635,14 @@ class BucketStore(ProcessLocalState):
         self._sizes = dict(listed)
         return listed
 
-    def holds_shard_objects(self) -> bool:
-        """Whether the bucket holds any object under ``shards/`` (one listing request of one
-        key): a store whose catalog versions are all gone is told from a new one by it."""
-        return bool(self.bucket.list_page(SHARDS, keys=1).objects)
+    def lost_its_catalog(self) -> bool:
+        """Whether the bucket holds shard objects and no fragment (a listing request of one key
+        each), asked where it holds no catalog version: its versions were deleted. A first
+        build in parts not merged yet holds fragments; a first build still running may not
+        have uploaded its first yet (the message says both)."""
+        if not self.bucket.list_page(SHARDS, keys=1).objects:
+            return False
+        return not self.bucket.list_page(FRAGMENTS, keys=1).objects
 
     def download_shard(self, name: str, dest: Path) -> None:
         self.bucket.download(shard_object(name), dest)

@@ -497,8 +497,9 @@ SQLITE_MAGIC = b"SQLite format 3\x00"
 
 def sqlite_header_problem(header: bytes, size: int) -> str | None:
     """What is wrong with a whole SQLite file (no ``-wal`` beside it: a downloaded catalog
-    version) by its 100-byte header and its size, or None: not SQLite, cut short or grown
-    (the header's page count times its page size is not the size), or holding no table (its
+    version) by its 100-byte header and its size, or None: not SQLite, cut short (the
+    header's page count times its page size is past its end; bytes after those pages SQLite
+    ignores, as the download's ``quick_check`` does), or holding no table (its
     schema cookie is 0: an emptied file). Reads no page: a tier's copy is checked at each
     open, where ``quick_check`` (at download) would read the whole file.
 
@@ -509,6 +510,8 @@ def sqlite_header_problem(header: bytes, size: int) -> str | None:
         ...     head[at : at + width] = value.to_bytes(width, "big")
         >>> sqlite_header_problem(bytes(head), 8192), sqlite_header_problem(bytes(head), 4096)
         (None, 'its header counts 2 pages of 4096 bytes (8192), the file holds 4096')
+        >>> sqlite_header_problem(bytes(head), 12288) is None  # grown: read as SQLite reads it
+        True
         >>> sqlite_header_problem(b"", 0)
         'not an SQLite file (0 bytes)'
     """
@@ -518,7 +521,7 @@ def sqlite_header_problem(header: bytes, size: int) -> str | None:
     page_size = 65536 if page_size == 1 else page_size
     pages = int.from_bytes(header[28:32], "big")
     counted = header[92:96] == header[24:28]  # the page count is valid for this change
-    if counted and pages * page_size != size:
+    if counted and pages * page_size > size:  # bytes past the counted pages SQLite ignores
         return (
             f"its header counts {pages} pages of {page_size} bytes ({pages * page_size}), "
             f"the file holds {size}"

@@ -196,11 +196,12 @@ def _require_catalog(layout: Layout) -> None:
             f"the store {describe(layout)} holds only unmerged build fragments; run `featbake "
             "merge` once every part of the build is done"
         )
-    if isinstance(layout.remote, BucketStore) and layout.remote.holds_shard_objects():
+    if isinstance(layout.remote, BucketStore) and layout.remote.lost_its_catalog():
         raise StoreError(
-            f"the store {describe(layout)} holds shard objects but no catalog version (its "
-            "catalog/ objects were deleted): nothing can name its features; restore catalog/ "
-            "from a copy of the bucket, or build into it again (every input is encoded again)"
+            f"the store {describe(layout)} holds shard objects but no catalog version and no "
+            "fragment: its catalog/ objects were deleted (restore them from a copy of the "
+            "bucket, or build into it again: every input is encoded again), or a first build "
+            "into it has not named its shards yet (retry in a minute)"
         )
     if layout.remote is not None:
         raise StoreError(

@@ -249,8 +249,9 @@ class DiskTier:
         part: Path,
         evicted: Callable[[], None] | None,
     ) -> None:
-        """Reserve ``room``, download into ``part`` and check every tensor's CRC and the
-        bytes' SHA-256 against ``name``, fetching once more on a mismatch.
+        """Reserve ``room``, download into ``part`` and check its bytes' SHA-256 against
+        ``name`` (the bytes it was named by: every tensor's CRC holds then), fetching once more
+        on a mismatch; the CRCs say, at the last try, whether it is damaged or another's.
 
         Raises:
             StoreCorrupt: the bytes failed their checksums, or are another shard's (an object
@@ -262,24 +263,24 @@ class DiskTier:
             evicted()
         for attempt in range(CHECKED_TRIES):
             self.fetched_bytes += download(part)
-            bad = _failing_tensors(part)
-            if not bad and (named := content_name(part)) != name:
-                if attempt == CHECKED_TRIES - 1:
-                    raise StoreCorrupt(
-                        f"{where} holds the bytes of shard {named[:16]}..., not of its own name "
-                        "(it was overwritten): nothing of it is served; delete it, then build "
-                        "again (a build encodes again what a missing shard held)"
-                    )
+            named = content_name(part)
+            if named == name:
+                break  # its bytes as written, which every checksum in it was taken of
+            if attempt < CHECKED_TRIES - 1:
                 continue
-            if not bad:
-                break
-            if attempt == CHECKED_TRIES - 1:
+            bad = _failing_tensors(part)
+            if bad:
                 raise StoreCorrupt(
                     f"{where} fails its checksums (tensors {', '.join(bad[:3])}) on "
                     f"{CHECKED_TRIES} downloads: the object is damaged in the bucket and "
                     "nothing of it is served; delete it, then build again (a build encodes "
                     "again what a missing shard held)"
                 )
+            raise StoreCorrupt(
+                f"{where} holds the bytes of shard {named[:16]}..., not of its own name (it "
+                "was overwritten): nothing of it is served; delete it, then build again (a "
+                "build encodes again what a missing shard held)"
+            )
 
     def _reserve(self, fd: int, part: Path, room: Room) -> None:
         """Evict what must go (a shard ``room`` keeps only as :meth:`Room.doomed` says) so

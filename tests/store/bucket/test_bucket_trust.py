@@ -123,8 +123,14 @@ def test_a_bucket_whose_catalog_versions_were_deleted_says_so(
     got = invoke("stats", "--cache", s3.url, "--local-cache", tmp_path / "fresh")
     lines = got.stderr.strip().splitlines()
     assert got.returncode != 0 and len(lines) == 1, got.stderr
-    assert "holds shard objects but no catalog version" in lines[0], lines[0]
-    assert "restore catalog/" in lines[0]
+    assert "holds shard objects but no catalog version and no fragment" in lines[0], lines[0]
+    assert "restore them from a copy" in lines[0]
+    # A build in parts not merged yet holds fragments: told to merge, as before.
+    for part in ("0/2", "1/2"):
+        build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
+    got = invoke("stats", "--cache", s3.url, "--local-cache", tmp_path / "fresh2")
+    assert got.returncode != 0 and "featbake merge" in got.stderr, got.stderr
+    assert "no catalog version and no fragment" not in got.stderr
 
 
 # -- verify checks the bucket's objects -----------------------------------------------------------
