@@ -102,9 +102,10 @@ def recipe_differences(asked: Mapping[str, Any], stored: Mapping[str, Any]) -> l
     for f in fields:
         if asked.get(f) == stored.get(f):
             continue
-        if f in OWN_VERSIONS:
-            # Said only where both crop (else max_seconds' own difference says it all).
-            if asked.get("max_seconds") is not None and stored.get("max_seconds") is not None:
+        cropped = [r.get("max_seconds") is not None for r in (asked, stored)]
+        if f in OWN_VERSIONS and any(cropped):
+            # Both crop: the store's is an older featbake's; one does: max_seconds says it.
+            if all(cropped):
                 said.append(OWN_VERSIONS[f])
             continue
         said.append(f"{f}={stored.get(f)!r} in the store, {asked.get(f)!r} asked")
