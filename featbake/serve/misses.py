@@ -98,11 +98,11 @@ def recipe_differences(asked: Mapping[str, Any], stored: Mapping[str, Any]) -> l
         ["dtype='float32' in the store, 'float16' asked"]
     """
     fields = sorted((set(asked) | set(stored)) - {"version"})
+    cropped = [r.get("max_seconds") is not None for r in (asked, stored)]
     said = []
     for f in fields:
         if asked.get(f) == stored.get(f):
             continue
-        cropped = [r.get("max_seconds") is not None for r in (asked, stored)]
         if f in OWN_VERSIONS and any(cropped):
             # Both crop: the store's is an older featbake's; one does: max_seconds says it.
             if all(cropped):

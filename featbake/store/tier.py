@@ -14,7 +14,6 @@ readable to that reader (POSIX unlink), so eviction never breaks a read in fligh
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from featbake.errors import ConfigError, StoreCorrupt, StoreError
+from featbake.keys import sha256_file
 from featbake.store.files import (
     LockCall,
     Taken,
@@ -263,7 +263,7 @@ class DiskTier:
             evicted()
         for attempt in range(CHECKED_TRIES):
             self.fetched_bytes += download(part)
-            named = content_name(part)
+            named = sha256_file(part)  # a shard's name is its bytes' SHA-256
             if named == name:
                 break  # its bytes as written, which every checksum in it was taken of
             if attempt < CHECKED_TRIES - 1:
@@ -441,12 +441,6 @@ def _abandoned(part: Path) -> bool:
         return time.time() - os.fstat(lock.fd).st_mtime > 1.0
     finally:
         lock.close()
-
-
-def content_name(path: Path) -> str:
-    """The SHA-256 of a file's bytes: the name a shard of those bytes has."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _failing_tensors(path: Path) -> list[str]:
