@@ -73,6 +73,16 @@ class StoreCorrupt(StoreError):
     exit_code = 6
 
 
+class ShardDamaged(StoreCorrupt):
+    """A shard's header or bytes fail their checks; ``why`` says what failed without where or
+    what to do, so that the reader of a shard kept elsewhere (a bucket's object, read by
+    ranges) can say its own place and fix (``verify --repair`` is a directory's)."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
 class CacheMiss(FeatbakeError, KeyError):
     """A feature is not in the store and the caller asked not to encode it live."""
 

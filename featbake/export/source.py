@@ -47,6 +47,7 @@ from featbake.store.files import Taken, is_same_file, lock_taken, opened_lock, w
 from featbake.store.hash_cache import HashCache
 from featbake.store.layout import Layout
 from featbake.store.open import StoreRef, open_catalog, resolve_root
+from featbake.store.place import remote_place
 from featbake.store.roots import Root, published_at
 from featbake.store.shard import Leases, ShardReader, VerifyMode, read_leased
 
@@ -403,11 +404,19 @@ class LocatedItem:
     locations: tuple[Location, ...]
 
 
-def vanished(key: str) -> StoreError:
-    """The error of an item the store lost while it was being exported."""
+def vanished(key: str, layout: Layout) -> StoreError:
+    """The error of an item the store lost while it was being exported: a directory's lost
+    shard is dropped from its catalog by ``verify --repair``; a bucket has no repair, and a
+    build encodes again what a missing shard object held."""
+    if remote_place(layout) is None:
+        return StoreError(
+            f"feature {key} vanished during the export (gc ran, or its shard was removed by "
+            "hand); run the export again, after `featbake verify --repair` if this persists"
+        )
     return StoreError(
-        f"feature {key} vanished during the export (gc ran, or its shard was removed by hand); "
-        "run the export again, after `featbake verify --repair` if this persists"
+        f"feature {key} vanished during the export (gc ran, or its shard object was deleted); "
+        "run the export again, and if this persists build again (a build encodes again what "
+        "a missing shard held)"
     )
 
 
@@ -428,7 +437,7 @@ def located(
             batch = src.present[start : start + READ_BATCH]
             where = catalog.locate_many([k for _, k in batch])
             yield [
-                LocatedItem(start + i, path, key, part_places(where.get(key), src.parts, key))
+                LocatedItem(start + i, path, key, part_places(where.get(key), src, key))
                 for i, (path, key) in enumerate(batch)
             ]
             if progress:
@@ -438,17 +447,17 @@ def located(
 
 
 def part_places(
-    locations: Sequence[Location] | None, parts: Sequence[str], key: str
+    locations: Sequence[Location] | None, src: ExportSource, key: str
 ) -> tuple[Location, ...]:
-    """The location of each of ``parts`` among an item's ``locations``, in order.
+    """The location of each of ``src.parts`` among an item's ``locations``, in order.
 
     Raises:
         StoreError: the item is gone (``locations`` None or empty) or lacks a part.
     """
     by_part = {loc.part: loc for loc in locations or ()}
-    if not all(p in by_part for p in parts):
-        raise vanished(key)
-    return tuple(by_part[p] for p in parts)
+    if not all(p in by_part for p in src.parts):
+        raise vanished(key, src.layout)
+    return tuple(by_part[p] for p in src.parts)
 
 
 #: numpy's dtype of what an export writes for each stored dtype: bfloat16, which numpy, Arrow
@@ -528,7 +537,7 @@ class PartReads:
             try:
                 self._read_at(self._relocated(loc), raw)
             except ShardMissing:
-                raise vanished(loc.key) from None
+                raise vanished(loc.key, self.layout) from None
 
     def read_part(self, loc: Location, into: Scratch) -> np.ndarray:
         """``loc`` as served (:func:`served_dtype`, its stored shape) in ``into``'s buffer."""
@@ -602,7 +611,7 @@ class PartReads:
             self.catalog = Catalog(self.layout)
         fresh = [x for x in self.catalog.locate(loc.key) if x.part == loc.part]
         if not fresh:
-            raise vanished(loc.key)
+            raise vanished(loc.key, self.layout)
         return fresh[0]
 
     def close(self) -> None:

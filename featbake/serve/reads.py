@@ -56,13 +56,13 @@ from featbake.store.shard import (
     Span,
     SpanCheck,
     TensorInfo,
-    corrupt_shard,
     damaged_rows,
     native_readable,
     read_leased,
     read_spans,
     tensor_buffer,
     tensor_name,
+    unfinite_scale,
 )
 
 # == served ========================================================================================
@@ -163,7 +163,7 @@ class Served:
             StoreCorrupt: a row's scale is not finite.
         """
         if isinstance(value, torch.Tensor) and damaged_positions(value, self.scheme):
-            raise damaged_rows(reader.path, name)
+            raise reader.damaged(unfinite_scale(name))
 
     def check(self, span: ScaleSpan) -> None:
         """Refuse rows whose scales ``span`` the served dtype cannot serve.
@@ -558,7 +558,7 @@ def located_in(reader: ShardReader, path: Path, sid: int, name: str) -> Located:
 def _located(reader: ShardReader, path: Path, sid: int, name: str, info: TensorInfo) -> Located:
     dtype = ST_TO_DTYPE.get(info.dtype)
     if dtype is None:
-        raise corrupt_shard(reader.path, f"tensor {name} has a dtype featbake does not serve")
+        raise reader.damaged(f"tensor {name} has a dtype featbake does not serve")
     return Located(sid, path, reader, info.begin, info.end - info.begin, dtype, info.shape)
 
 

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from featbake.errors import StoreCorrupt
+from featbake.errors import ShardDamaged, StoreCorrupt
 from featbake.process import PerProcess
 from featbake.store.shard import (
     MAX_HEADER_BYTES,
@@ -21,7 +21,7 @@ from featbake.store.shard import (
     ShardReader,
     SpanCheck,
     VerifyMode,
-    corrupt_shard,
+    damaged_object,
     parse_header,
 )
 
@@ -159,14 +159,25 @@ class RangedShardReader(ShardReader):
         head = self._head.result() if self._head is not None else self._get(0, HEADER_GUESS)
         self._head = None
         if len(head) < 8:
-            raise corrupt_shard(self.path, f"{self.where} is shorter than a safetensors header")
+            raise self.damaged("shorter than a safetensors header")
         (n,) = struct.unpack("<Q", head[:8])
         if n > MAX_HEADER_BYTES or 8 + n > self._size:
-            raise corrupt_shard(self.path, f"header length {n} does not fit {self.where}")
+            raise self.damaged(f"header length {n} does not fit its {self._size} bytes")
         raw = head[8 : 8 + n] if len(head) >= 8 + n else self._get(8, n)
         if len(raw) != n:
-            raise corrupt_shard(self.path, f"the header of {self.where} is cut short")
-        return parse_header(self.path, raw, 8 + n, self._size, cut_ok=cut_ok)
+            raise self.damaged("the header is cut short")
+        try:
+            return parse_header(self.path, raw, 8 + n, self._size, cut_ok=cut_ok)
+        except ShardDamaged as e:  # worded for a file: the object's place and fix instead
+            raise self.damaged(e.why) from None
+
+    def damaged(self, why: str) -> ShardDamaged:
+        """The error names the bucket's object and its fix (delete it, build again), not the
+        tier's path nor ``verify --repair`` (a directory's, refused on a bucket)."""
+        return damaged_object(self.where, why)
+
+    def lacking(self, name: str) -> StoreCorrupt:
+        return self.damaged(f"it holds no tensor {name}, which the catalog names in it")
 
     def _read_bytes(self, begin: int, dest: Any) -> int:
         queue = _QUEUE.get()
@@ -193,14 +204,11 @@ class RangedShardReader(ShardReader):
         """
         try:
             super().read_span(begin, dest, check)
-        except StoreCorrupt:
+        except ShardDamaged:
             try:
                 super().read_span(begin, dest, check)
-            except StoreCorrupt as e:
-                raise StoreCorrupt(
-                    f"{self.where}: {e} on two reads: the object is damaged in the bucket and "
-                    "its bytes are not served; delete it, then build again"
-                ) from e
+            except ShardDamaged as e:
+                raise self.damaged(f"{e.why}, on two reads") from e
 
     def unlinked(self) -> bool:
         return False  # nothing on disk

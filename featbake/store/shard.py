@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import google_crc32c
 import numpy as np
 
-from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
+from featbake.errors import ConfigError, ShardDamaged, ShardMissing, StoreCorrupt, StoreError
 from featbake.native import kernels
 from featbake.quantize import (
     SCALE_BYTES,
@@ -332,18 +332,37 @@ class ShardHeader:
 # before anything is read from it (opening a FIFO for reading would block until a writer came).
 # Every header field is checked against the file before a tensor is handed out, so a hostile or
 # damaged header gives :class:`StoreCorrupt`, never another exception, a crash or a hang.
-def corrupt_shard(path: Path, why: str) -> StoreCorrupt:
-    return StoreCorrupt(
+def corrupt_shard(path: Path, why: str) -> ShardDamaged:
+    """The error for a damaged shard file of a directory store (or a tier's copy)."""
+    return ShardDamaged(
         f"shard {path} is damaged ({why}); run `featbake verify --repair` to quarantine it, "
-        "then `featbake build` to recompute what it held"
+        "then `featbake build` to recompute what it held",
+        why,
     )
 
 
-def damaged_rows(path: Path, name: str) -> StoreCorrupt:
-    """The error for an int8/fp8 tensor with a row whose scale is NaN or infinite: quantize
-    never writes one, so the shard is damaged (read with ``verify="never"``, or a damage its
-    checksum missed); it is refused on every read path, never served as NaN or inf."""
-    return corrupt_shard(path, f"tensor {name} has a row scale that is not finite")
+def damaged_object(where: str, why: str) -> ShardDamaged:
+    """The error for a damaged shard object in a bucket (``where``: its URL), fetched whole or
+    read by ranges: a bucket has no ``verify --repair``; a build encodes again what a deleted
+    object held."""
+    return ShardDamaged(
+        f"{where} is damaged in the bucket ({why}): nothing of it is served; delete it, then "
+        "build again (a build encodes again what a missing shard held)",
+        why,
+    )
+
+
+def unfinite_scale(name: str) -> str:
+    """Why an int8/fp8 tensor with a row whose scale is NaN or infinite is damaged: quantize
+    never writes one (read with ``verify="never"``, or a damage its checksum missed); it is
+    refused on every read path, never served as NaN or inf."""
+    return f"tensor {name} has a row scale that is not finite"
+
+
+def damaged_rows(path: Path, name: str) -> ShardDamaged:
+    """The error for a damaged int8/fp8 row (:func:`unfinite_scale`) of the shard at ``path``
+    where no reader of it is at hand (a reader says its own place: :meth:`ShardReader.damaged`)."""
+    return corrupt_shard(path, unfinite_scale(name))
 
 
 def open_regular(path: Path) -> int:
@@ -980,15 +999,15 @@ class ShardReader:
             size = os.fstat(self._fd).st_size
             head = os.pread(self._fd, 8, 0)
             if len(head) < 8:
-                raise corrupt_shard(self.path, "shorter than a safetensors header")
+                raise self.damaged("shorter than a safetensors header")
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise corrupt_shard(self.path, f"header length {n} does not fit a {size}-byte file")
+                raise self.damaged(f"header length {n} does not fit a {size}-byte file")
             raw = os.pread(self._fd, n, 8)
         except OSError as e:
             raise StoreError(f"cannot read shard {self.path}: {e.strerror or e}") from e
         if len(raw) != n:
-            raise corrupt_shard(self.path, "the header is cut short")
+            raise self.damaged("the header is cut short")
         return parse_header(self.path, raw, 8 + n, size, cut_ok=cut_ok)
 
     @property
@@ -1007,7 +1026,12 @@ class ShardReader:
 
     def cut_short(self, name: str) -> StoreCorrupt:
         """The error for a tensor whose bytes end before the header says."""
-        return corrupt_shard(self.path, f"tensor {name} is cut short")
+        return self.damaged(f"tensor {name} is cut short")
+
+    def damaged(self, why: str) -> ShardDamaged:
+        """The error for this shard's damage, naming where it lies and the fix there (a
+        directory's: ``verify --repair``; a bucket's reader says its own)."""
+        return corrupt_shard(self.path, why)
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -1061,11 +1085,16 @@ class ShardReader:
         """
         info = self.tensors.get(name)
         if info is None:
-            raise StoreCorrupt(
-                f"shard {self.path} holds no tensor {name} although the catalog says so; "
-                "run `featbake verify --repair` to rebuild the catalog from the shards"
-            )
+            raise self.lacking(name)
         return info
+
+    def lacking(self, name: str) -> StoreCorrupt:
+        """The error for a tensor the catalog names in this shard and its header lacks: a
+        directory's catalog is rebuilt from its shards (a bucket's reader says its own)."""
+        return StoreCorrupt(
+            f"shard {self.path} holds no tensor {name} although the catalog says so; "
+            "run `featbake verify --repair` to rebuild the catalog from the shards"
+        )
 
     def read_into(self, name: str, out: torch.Tensor, *, verify: bool = True) -> None:
         """Read tensor ``name``'s bytes straight into ``out`` (no intermediate buffer).
@@ -1152,7 +1181,7 @@ class ShardReader:
                 raise self.cut_short(check.name if check is not None else self.name_at(begin))
         if check is not None:
             if check.want is None or check.digest(dest, check.head) != check.want:
-                raise corrupt_shard(self.path, f"checksum mismatch in tensor {check.name}")
+                raise self.damaged(f"checksum mismatch in tensor {check.name}")
             self._verified.add(check.name)
 
     def read_packed_span(self, begin: int, out: torch.Tensor, packed: PackedRows) -> ScaleSpan:
@@ -1382,7 +1411,9 @@ def _read_packed(
     dequantize_unpacked(parts, packed.scheme, packed.dtype, out)
     span = ScaleSpan.of(parts.scales)
     if span.damaged:
-        raise damaged_rows(reader.path, check.name if check is not None else reader.name_at(begin))
+        raise reader.damaged(
+            unfinite_scale(check.name if check is not None else reader.name_at(begin))
+        )
     return span
 
 
@@ -1423,9 +1454,9 @@ def _read_failure(span: Span, kind: int, err: int) -> StoreError:
     if kind == 1:
         return reader.cut_short(name)
     if kind == 2:
-        return corrupt_shard(reader.path, f"checksum mismatch in tensor {name}")
+        return reader.damaged(f"checksum mismatch in tensor {name}")
     if kind == 4:
-        return damaged_rows(reader.path, name)
+        return reader.damaged(unfinite_scale(name))
     return StoreError(f"cannot read shard {reader.path}: {os.strerror(err)}")
 
 

@@ -32,7 +32,7 @@ from featbake.store.files import (
 )
 from featbake.store.layout import Layout, is_shard_name
 from featbake.store.locks import locked
-from featbake.store.shard import ShardReader, VerifyMode
+from featbake.store.shard import ShardReader, VerifyMode, damaged_object
 from featbake.units import format_bytes
 
 
@@ -268,19 +268,7 @@ class DiskTier:
                 break  # its bytes as written, which every checksum in it was taken of
             if attempt < CHECKED_TRIES - 1:
                 continue
-            bad = _failing_tensors(part)
-            if bad:
-                raise StoreCorrupt(
-                    f"{where} fails its checksums (tensors {', '.join(bad[:3])}) on "
-                    f"{CHECKED_TRIES} downloads: the object is damaged in the bucket and "
-                    "nothing of it is served; delete it, then build again (a build encodes "
-                    "again what a missing shard held)"
-                )
-            raise StoreCorrupt(
-                f"{where} holds the bytes of shard {named[:16]}..., not of its own name (it "
-                "was overwritten): nothing of it is served; delete it, then build again (a "
-                "build encodes again what a missing shard held)"
-            )
+            raise damaged_object(where, _why_misnamed(_failing_tensors(part), named))
 
     def _reserve(self, fd: int, part: Path, room: Room) -> None:
         """Evict what must go (a shard ``room`` keeps only as :meth:`Room.doomed` says) so
@@ -441,6 +429,17 @@ def _abandoned(part: Path) -> bool:
         return time.time() - os.fstat(lock.fd).st_mtime > 1.0
     finally:
         lock.close()
+
+
+def _why_misnamed(failing: list[str], named: str) -> str:
+    """Why a shard object whose bytes are not of its name (their SHA-256 is ``named``) is
+    refused, given its ``failing`` tensors (:func:`_failing_tensors`)."""
+    tries = f"on {CHECKED_TRIES} downloads"
+    if failing == ["header"]:
+        return f"not a readable shard {tries}: cut short or overwritten"
+    if failing:
+        return f"tensors {', '.join(failing[:3])} fail their checksums {tries}"
+    return f"it holds the bytes of shard {named[:16]}..., not of its own name: overwritten"
 
 
 def _failing_tensors(path: Path) -> list[str]:

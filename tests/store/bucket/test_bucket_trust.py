@@ -111,6 +111,78 @@ def test_a_shard_object_holding_another_shards_bytes_is_not_kept_in_a_tier(
     assert_live(ds, encoder_file)
 
 
+def damaged_copy(bucket: ObjectStore, name: str, other: str, damage: str, tmp: Path) -> Path:
+    """A file of shard object ``name``'s bytes with ``damage`` done: ``swap`` (``other``'s
+    sound bytes), ``cut`` (its second half gone) or ``flip`` (a payload byte changed)."""
+    data = bytearray(bucket.read(other if damage == "swap" else name).data)
+    if damage == "cut":
+        data = data[: len(data) // 2]
+    elif damage == "flip":
+        data[-10] ^= 0xFF
+    tmp.write_bytes(bytes(data))
+    return tmp
+
+
+@pytest.mark.parametrize("damage", ["swap", "cut", "flip"])
+def test_a_damaged_object_read_by_ranges_is_named_with_the_buckets_fix(
+    s3: S3,
+    audio_dir: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    damage: str,
+) -> None:
+    """A shard object overwritten (another shard's bytes, cut short, a byte changed) and read
+    by ranges was refused in the words of a directory's damaged file: the tier's path (where
+    nothing lies), "run `featbake verify --repair`" (refused on a bucket), and for a bad span
+    both fixes in one message. One line now names the object and the bucket's fix, as a whole
+    fetch's refusal does; the other items are served as the encoder gives them now."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    bucket = bucket_of(s3)
+    first, second = s3.objects("shards/")[:2]
+    bucket.upload(first, damaged_copy(bucket, first, second, damage, tmp_path / "x"))
+    monkeypatch.setenv("FEATBAKE_BUCKET_READS", "ranged")
+    node = tmp_path / "node"
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=s3.url, local_cache=node, on_miss="error"
+    )
+    refused, served = [], 0
+    for i in range(len(ds)):
+        try:
+            got = ds[i]
+        except StoreCorrupt as e:
+            refused.append(str(e))
+            continue
+        torch.testing.assert_close(got, live_features(encoder_file, Path(ds.path(i))))
+        served += 1
+    assert refused and served, (refused, served)
+    message = refused[0]
+    assert message.startswith(f"{s3.url}/{first} is damaged in the bucket ("), message
+    assert message.endswith("delete it, then build again (a build encodes again what a missing "
+                            "shard held)"), message  # fmt: skip
+    assert "\n" not in message and "verify --repair" not in message and str(node) not in message
+
+
+def test_an_export_whose_shard_object_was_deleted_names_the_buckets_fix(
+    s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
+) -> None:
+    """An export reading a shard object deleted after the catalog named it said to run
+    `featbake verify --repair`, which a bucket refuses: it says to build again (a build encodes
+    again what a missing object held), and a build then makes the export whole."""
+    build(audio_dir, encoder_file, cache=s3.url, workers=0, shard_bytes=60_000)
+    bucket_of(s3).delete(s3.objects("shards/")[:1])
+    out = tmp_path / "out.tar"
+    args = ("export", "--cache", s3.url, "--format", "webdataset", out)
+    got = invoke(*args, "--local-cache", tmp_path / "node")
+    lines = got.stderr.strip().splitlines()
+    assert got.returncode == 5 and len(lines) == 1, got.stderr
+    assert "vanished during the export (gc ran, or its shard object was deleted)" in lines[0]
+    assert "build again" in lines[0] and "verify --repair" not in lines[0], lines[0]
+    again = build(audio_dir, encoder_file, cache=open_store(s3.url, local_cache=tmp_path / "b"))
+    assert again.encoded > 0
+    assert invoke(*args, "--local-cache", tmp_path / "node2").returncode == 0
+
+
 def test_a_bucket_whose_catalog_versions_were_deleted_says_so(
     s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:

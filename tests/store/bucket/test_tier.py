@@ -115,7 +115,9 @@ def test_a_bad_download_is_fetched_again_and_twice_bad_is_an_error(
     path = source.fetch(tier, source.names[1])
     assert source.calls == 2 and ShardReader(path).verify_all() == []
     source.corrupt = 2
-    with pytest.raises(StoreCorrupt, match=r"s3://b/.* fails its checksums"):
+    with pytest.raises(
+        StoreCorrupt, match=r"s3://b/.* is damaged in the bucket \(tensors .* fail their checksums"
+    ):
         source.fetch(tier, source.names[3])
     assert not tier.layout.shard_path(source.names[3]).exists()
     assert not list(tier.downloads.glob("*.part"))  # nothing reserved is left behind
