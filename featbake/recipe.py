@@ -235,6 +235,11 @@ class Recipe:
                 f"--max-seconds must be a positive, finite number of seconds, got {seconds!r}; "
                 "leave it out to keep whole files"
             )
+        if seconds is not None and round(seconds * rate) < 1:  # every clip cropped to nothing
+            raise ConfigError(
+                f"--max-seconds {seconds!r} keeps no sample at {rate:,} Hz (one sample is "
+                f"{1 / rate:.3g} s); crop to a longer time, or leave it out to keep whole files"
+            )
 
     def _check_flags(self) -> None:
         """``mono`` and ``normalize`` are True or False: ``mono=2`` must not make its own key."""

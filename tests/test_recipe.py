@@ -81,11 +81,18 @@ def test_fingerprint_is_sha256_of_canonical_json() -> None:
         ({"sample_rate": True}, "--sample-rate"),
         ({"max_seconds": float("nan")}, "--max-seconds"),
         ({"max_seconds": float("inf")}, "--max-seconds"),
+        ({"max_seconds": 1e-5}, "--max-seconds 1e-05 keeps no sample at 16,000 Hz"),
     ],
 )
 def test_bad_options_raise_config_error_naming_the_option(kwargs: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle.replace("-", r"\-")):
         Recipe(**kwargs)
+
+
+def test_a_crop_of_one_sample_is_kept() -> None:
+    assert Recipe(max_seconds=1 / 16000).max_seconds == 1 / 16000
+    with pytest.raises(ConfigError, match="keeps no sample at 8,000 Hz"):
+        Recipe(sample_rate=8000, max_seconds=1 / 16000)  # half a sample: the crop keeps none
 
 
 def test_torch_dtype() -> None:

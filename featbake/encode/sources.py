@@ -260,7 +260,7 @@ class AudioSource:
             audio = audio[:, span.channel : span.channel + 1]  # that channel, not the mix
         audio = audio.mean(axis=1, keepdims=True) if self.recipe.mono else audio
         if rate != self.recipe.sample_rate:
-            audio = soxr_resample(audio, rate, self.recipe.sample_rate)
+            audio = resampled(path, audio, rate, self.recipe.sample_rate)
         if self.recipe.max_seconds is not None:
             audio = audio[: round(self.recipe.max_seconds * self.recipe.sample_rate)]
         audio = np.ascontiguousarray(audio.T, dtype=np.float32)  # [C, T]
@@ -315,6 +315,29 @@ def crop_margin(rate: int, to: int) -> int:
         (4096, 12288)
     """
     return 4096 * max(1, -(-rate // max(to, 1)))
+
+
+def resampled(path: str | os.PathLike[str], audio: np.ndarray, rate: int, to: int) -> np.ndarray:
+    """``[T, C]`` finite samples at ``rate`` resampled to ``to`` Hz, refused where nothing is
+    left (a clip shorter than one sample at ``to``: an encoder failed on it, or stored empty
+    features) or where the resampler overflowed (samples near float32's limit became NaN, and
+    the encoder was blamed for the NaN features).
+
+    Raises:
+        SourceError: no sample is left, or one is not finite.
+    """
+    out = soxr_resample(audio, rate, to)
+    if out.shape[0] == 0:
+        raise SourceError(
+            f"{path}: {audio.shape[0]} sample(s) at {rate:,} Hz leave none resampled to {to:,} Hz"
+        )
+    if not np.isfinite(out).all():
+        peak = float(np.abs(audio).max())
+        raise SourceError(
+            f"{path}: resampling from {rate:,} to {to:,} Hz gave NaN or infinite samples (its "
+            f"largest sample is {peak:.3g}); scale the audio into [-1, 1]"
+        )
+    return out
 
 
 def soxr_resample(audio: np.ndarray, rate: int, to: int) -> np.ndarray:

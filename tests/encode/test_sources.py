@@ -94,12 +94,19 @@ def _bad_files(tmp_path: Path) -> dict[str, Path]:
     truncated.write_bytes(good.read_bytes()[:30])  # a header cut short
     nan = tmp_path / "nan.wav"
     soundfile.write(nan, np.array([0.0, np.nan, 0.1], dtype=np.float32), 16000, subtype="FLOAT")
+    one = tmp_path / "one.wav"  # no sample left at 16 kHz (was encoded as an empty clip)
+    soundfile.write(one, np.array([0.5], dtype=np.float32), 44100, subtype="FLOAT")
+    loud = tmp_path / "loud.wav"  # finite, but soxr's filter overflows float32 to inf / NaN
+    noise = np.random.default_rng(0).standard_normal(4410).astype(np.float32)
+    soundfile.write(loud, noise / np.abs(noise).max() * 3.3e38, 44100, subtype="FLOAT")
     return {
         "empty": empty,
         "nosamples": no_samples,
         "text": text,
         "truncated": truncated,
         "nan": nan,
+        "one": one,
+        "loud": loud,
         "missing": tmp_path / "missing.wav",
     }
 
@@ -112,6 +119,8 @@ def _bad_files(tmp_path: Path) -> dict[str, Path]:
         ("text", "cannot decode audio"),
         ("truncated", "cannot decode audio"),
         ("nan", "NaN"),
+        ("one", "1 sample\\(s\\) at 44,100 Hz leave none resampled to 16,000 Hz"),
+        ("loud", "resampling from 44,100 to 16,000 Hz gave NaN or infinite samples .* 3.3e\\+38"),
         ("missing", "file not found"),
     ],
 )
