@@ -19,12 +19,13 @@ A truncated file, a file that is not an image, or a decompression bomb raises
 from __future__ import annotations
 
 import os
+import struct
 import warnings
 from typing import Any, BinaryIO
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, UnidentifiedImageError
 
 from featbake.errors import SourceError, last_line
 from featbake.image_recipe import (
@@ -152,10 +153,32 @@ class ImageSource:
         """Decode one file (or ``data``, its bytes) and run the transform.
 
         Raises:
-            SourceError: missing, not an image, truncated, or too large to decode safely.
+            SourceError: missing, not an image, truncated, or too large to decode or to
+                resize safely.
         """
         image = decode_image(path, self.steps, data)
+        refuse_large_resize(path, image, self.steps)
         return transform(image, self.steps, hflip=self.steps.hflip)
+
+
+def refuse_large_resize(
+    path: str | os.PathLike[str], image: Image.Image, steps: ImageRecipe
+) -> None:
+    """Refuse an image whose resize would make more pixels than Pillow's decompression-bomb
+    limit: a thin strip (a 60 KB PNG of 1 x 20,000 pixels) resized to a shortest edge of 256
+    is 256 x 5,120,000 before its crop, 13 GB of memory for one small file.
+
+    Raises:
+        SourceError: the resized image is too large.
+    """
+    size = resized_size(image.height, image.width, steps.resize)
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and size.height * size.width > limit:
+        raise SourceError(
+            f"{path}: resizing its {image.width}x{image.height} pixels to "
+            f"{size.width}x{size.height} makes more than {limit:,} pixels, too many to resize "
+            "safely; crop it nearer to square"
+        )
 
 
 def decode_image(
@@ -182,20 +205,41 @@ def decode_image(
             with Image.open(os.fspath(path) if data is None else data) as opened:
                 opened.load()  # decode now: a truncated file fails here, not in the transform
                 unknown = unknown_range(opened)
-                image = ImageOps.exif_transpose(opened) if steps.exif else opened.copy()
+                image = oriented(opened) if steps.exif else opened.copy()
     except FileNotFoundError as e:
         raise SourceError(f"{path}: file not found") from e
     except UnidentifiedImageError as e:
         raise SourceError(f"{path}: not an image Pillow can read (wrong extension?)") from e
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise SourceError(f"{path}: too many pixels to decode safely ({e})") from e
-    except (OSError, ValueError, SyntaxError) as e:
+    except (OSError, ValueError, SyntaxError, struct.error) as e:
         raise SourceError(
             f"{path}: cannot decode the image ({last_line(e)}); is it truncated?"
         ) from e
     if unknown:
         raise SourceError(f"{path}: {unknown} has no known range; save it as 8 or 16 bit")
     return to_mode(image, steps.mode, path, composite=steps.composite)
+
+
+#: The transpose that shows an image as its EXIF orientation tag (2-8) says it is seen.
+_ORIENTATIONS = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def oriented(image: Image.Image) -> Image.Image:
+    """A copy of ``image`` turned as its EXIF orientation tag says: the pixels of Pillow's
+    ``ImageOps.exif_transpose`` (transformers' ``load_image``), without its rewrite of the EXIF
+    block, which fails on a malformed tag elsewhere in it (a text ImageWidth: ``struct.error``,
+    and the file was skipped for "required argument is not an integer")."""
+    method = _ORIENTATIONS.get(image.getexif().get(ExifTags.Base.Orientation, 1))
+    return image.transpose(method) if method is not None else image.copy()
 
 
 def unknown_range(image: Image.Image) -> str | None:
@@ -232,6 +276,18 @@ def _tag(tags: Any, number: int, default: int) -> Any:
 _THREE_BANDS = frozenset({"YCbCr", "LAB", "HSV"})
 
 
+def _eight_bit(image: Image.Image, *, keyed: bool) -> Image.Image:
+    """A 16-bit greyscale ``image`` scaled to 8 bits (``round(v / 257)``); where ``keyed``, its
+    transparency key's pixels composited onto white (white: the key is a 16-bit value, which
+    no 8-bit key could tell apart from its neighbours; it was dropped, and they stayed grey)."""
+    wide = np.asarray(image).astype(np.int64)
+    eight = ((np.clip(wide, 0, 65535) + 128) // 257).astype(np.uint8)
+    key = image.info.get("transparency")
+    if keyed and isinstance(key, int) and not isinstance(key, bool):
+        eight[wide == key] = 255
+    return Image.fromarray(eight, "L")
+
+
 def to_mode(
     image: Image.Image,
     mode: ColourMode,
@@ -256,8 +312,7 @@ def to_mode(
             f"{path}: a floating-point image has no known range; save it as 8 or 16 bit"
         )
     if image.mode in _WIDE_GREY:
-        wide = np.asarray(image).astype(np.int64)
-        image = Image.fromarray(((np.clip(wide, 0, 65535) + 128) // 257).astype(np.uint8), "L")
+        image = _eight_bit(image, keyed=composite or mode is not ColourMode.GREY)
     if image.mode == mode.value and not composite:
         return image
     if not composite and mode is ColourMode.RGB and image.mode in _THREE_BANDS:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from PIL import Image, features
+from PIL import Image, ImageOps, features
 
 from featbake.bake.pipeline import build
 from featbake.encode.images import IMAGE_EXTENSIONS, decode_image, to_mode, transform
@@ -128,6 +128,46 @@ def test_exif_orientation_is_applied(tmp_path: Path) -> None:
     assert pixels(tmp_path / "phone.jpg", exif=False).shape == (20, 40, 3)
 
 
+def retyped_tag(jpeg: bytes, tag: int, to: int) -> bytes:
+    """``jpeg`` with its EXIF entry for ``tag`` renumbered ``to`` (its type and value kept):
+    a camera writing a tag with the wrong type."""
+    data = bytearray(jpeg)
+    tiff = data.find(b"Exif\x00\x00") + 6
+    order = "little" if data[tiff : tiff + 2] == b"II" else "big"
+    at = data.find(tag.to_bytes(2, order), tiff)
+    data[at : at + 2] = to.to_bytes(2, order)
+    return bytes(data)
+
+
+def test_a_malformed_exif_tag_elsewhere_keeps_the_orientation(tmp_path: Path) -> None:
+    """An ImageWidth tag holding text: Pillow's ``exif_transpose`` failed rewriting the EXIF
+    block (``struct.error``: a dataset raised it bare, a build skipped the file for "required
+    argument is not an integer"). The pixels are oriented as the sound file's are."""
+    exif = Image.Exif()
+    exif[0x0112], exif[0x010F] = 6, "Cam"  # orientation; Make, a text tag
+    buf = io.BytesIO()
+    noise(20, 24).save(buf, "JPEG", exif=exif.tobytes(), quality=95)
+    (tmp_path / "sound.jpg").write_bytes(buf.getvalue())
+    (tmp_path / "bad.jpg").write_bytes(retyped_tag(buf.getvalue(), 0x010F, 0x0100))
+    assert Image.open(tmp_path / "bad.jpg").getexif()[0x0100] == "Cam"
+    with Image.open(tmp_path / "sound.jpg") as sound:
+        want = np.asarray(ImageOps.exif_transpose(sound).convert("RGB"))
+    assert want.shape == (24, 20, 3)
+    assert np.array_equal(pixels(tmp_path / "sound.jpg"), want)
+    assert np.array_equal(pixels(tmp_path / "bad.jpg"), want)
+
+
+def test_a_strip_whose_resize_is_a_bomb_is_refused(tmp_path: Path) -> None:
+    """A 1 x 20,000 PNG (tens of KB) resized to a shortest edge of 256 is 256 x 5,120,000 before
+    its crop: 13 GB of memory for one file. Refused in one line, before the resize."""
+    noise(20_000, 1).save(tmp_path / "strip.png")
+    source = source_for(Recipe(source="image"))
+    with pytest.raises(SourceError, match=r"to 256x5120000 makes more than 89,478,485 pixels"):
+        source.load(tmp_path / "strip.png")
+    noise(2_000, 20).save(tmp_path / "wide.png")  # 256 x 25,600: resized as before
+    assert source.load(tmp_path / "wide.png").shape == (3, 224, 224)
+
+
 def test_colour_modes_are_converted(tmp_path: Path) -> None:
     Image.new("CMYK", (8, 8), (0, 255, 255, 0)).save(tmp_path / "cmyk.jpg", quality=95)
     assert np.allclose(pixels(tmp_path / "cmyk.jpg")[4, 4], (255, 0, 0), atol=6)
@@ -150,6 +190,23 @@ def test_sixteen_bit_png_is_scaled_not_clipped(tmp_path: Path) -> None:
     assert Image.open(tmp_path / "deep.png").mode.startswith("I")
     assert pixels(tmp_path / "deep.png")[0, :, 0].tolist() == [0, 100, 255, 1, 1]
     assert to_mode(Image.fromarray(wide), ColourMode.GREY).getpixel((3, 0)) == 1
+
+
+def test_a_sixteen_bit_transparency_key_is_composited_onto_white(tmp_path: Path) -> None:
+    """A 16-bit greyscale PNG's key (a 16-bit value) was dropped in the scaling to 8 bits and
+    its pixels kept their grey, where an 8-bit file's keyed pixels are white. Only the exact
+    16-bit value is keyed (its 8-bit neighbours are not)."""
+    wide = np.array([[1000, 1001, 257 * 100, 1000]], np.uint16)
+    Image.fromarray(wide).save(tmp_path / "key16.png", transparency=1000)
+    assert Image.open(tmp_path / "key16.png").info["transparency"] == 1000
+    assert pixels(tmp_path / "key16.png")[0, :, 0].tolist() == [255, 4, 100, 255]
+    eight = np.array([[4, 5, 100, 4]], np.uint8)
+    Image.fromarray(eight).save(tmp_path / "key8.png", transparency=4)
+    assert pixels(tmp_path / "key8.png")[0, :, 0].tolist() == [255, 5, 100, 255]
+    # A processor that does not composite, in greyscale: the key ignored, as an 8-bit file's.
+    kept = dict(mode=ColourMode.GREY, composite=False)
+    assert pixels(tmp_path / "key16.png", **kept)[0, :, 0].tolist() == [4, 4, 100, 4]
+    assert pixels(tmp_path / "key8.png", **kept)[0, :, 0].tolist() == [4, 5, 100, 4]
 
 
 @pytest.mark.parametrize("ext", [".png", ".webp", ".bmp", ".tiff"])
