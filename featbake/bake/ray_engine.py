@@ -243,6 +243,7 @@ def ray_session(address: str | None) -> Iterator[Any]:
     unanswered = nothing_answers(ray, address)
     if unanswered is not None:
         raise ConfigError(ray_unreached(address, unanswered))
+    quiet_stops(ray)
     try:
         ray.init(
             address=address,
@@ -259,6 +260,17 @@ def ray_session(address: str | None) -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()
+
+
+def quiet_stops(ray: Any) -> None:
+    """Keep Ray's crash handler out of this process (its workers keep theirs): ``ray.init``
+    installs one on SIGTERM too, which printed a native stack dump above the build's one
+    ``stopped`` line when SLURM, Kubernetes or docker stopped it (the build's own handler
+    then kept what was sealed, as it does without Ray). Ray reads the switch, its
+    ``RAY_DISABLE_FAILURE_SIGNAL_HANDLER``, when ``ray.init`` starts this process's worker."""
+    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+    if constants is not None and hasattr(constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"):
+        constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
 
 
 #: Seconds a TCP connect to a Ray address may take before the build says nothing answers.

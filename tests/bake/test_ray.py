@@ -10,10 +10,12 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tarfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -103,6 +105,17 @@ class PoisonedEncoder(TinyConvEncoder):
 
 def poisoned():
     return PoisonedEncoder()
+
+
+class SlowEncoder(TinyConvEncoder):
+    # A tenth of a second a call: a build long enough to be stopped part way.
+    def forward(self, wav):
+        time.sleep(0.1)
+        return super().forward(wav)
+
+
+def slow():
+    return SlowEncoder()
 """
 
 
@@ -171,6 +184,44 @@ def test_cli_ray_build_stores_what_a_plain_build_finds(
     assert again.returncode == 0, again.stderr
     assert (json.loads(again.stdout)["encoded"], json.loads(again.stdout)["reused"]) == (0, 6)
     assert invoke("verify", "--cache", store).returncode == 0
+
+
+def test_a_ray_build_stopped_by_sigterm_says_one_line_and_keeps_what_was_sealed(
+    ray_cluster: dict[str, str], tmp_path: Path
+) -> None:
+    """SIGTERM (SLURM, Kubernetes, docker) to a Ray build: Ray's crash handler, installed by
+    ``ray.init`` in the build's process, printed a native stack dump ("*** SIGTERM received
+    ...", "PC: @ ...") above the build's one ``stopped`` line. Only that line is printed, and
+    a rerun encodes only what was not sealed."""
+    data = tmp_path / "audio"
+    write_audio_folder(data, 40, seconds=0.3, seed=21)
+    store = tmp_path / "store"
+    args = ["build", "-e", "dyingenc:slow", "-d", data, "--cache", store, "--engine", "ray",
+            "--workers", "1", "--batch-size", "1", "--seal-every", "0.001"]  # fmt: skip
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:
+        env = {**os.environ, **ray_cluster, "COLUMNS": "200"}
+        env.pop("FEATBAKE_DEBUG", None)
+        proc = subprocess.Popen([sys.executable, "-m", "featbake", *map(str, args)],
+                                stdout=out, stderr=out, env=env)  # fmt: skip
+        try:
+            sealed = store / "fragments"
+            while proc.poll() is None and not list(sealed.glob("*.part.sqlite")):
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    output = log.read_text()
+    assert proc.returncode == 143, output
+    assert "stopped: stopped by SIGTERM" in output, output
+    assert "SIGTERM received" not in output and "PC: @" not in output, output
+    again = invoke(*args[:-8], "--json", env={"PYTHONPATH": ray_cluster["PYTHONPATH"]})
+    report = json.loads(again.stdout)
+    assert report["reused"] > 0 and report["reused"] + report["encoded"] == 40, report
+    live_encoder = save_torchscript(TinyConvEncoder(), tmp_path / "same_weights.pt")
+    assert assert_live(store, report["root"], data, live_encoder) == 40
 
 
 def test_a_worker_killed_mid_build_loses_and_doubles_nothing(
