@@ -101,7 +101,7 @@ from featbake.store.fragment_catalog import FragmentCatalog, RankPart
 from featbake.store.fragments import build_id, fragment_keys, parse_name, sealed_fragments
 from featbake.store.hash_cache import FileStat, HashCache, HashCacheRow, HashEntry, HashRow
 from featbake.store.layout import Layout
-from featbake.store.merge import MergeReport, adopt_sealed_parts, retire_superseded
+from featbake.store.merge import MergeReport, adopt_sealed_parts
 from featbake.store.open import Need, StoreRef, open_store, place_of
 from featbake.store.roots import (
     PaddingRecord,
@@ -858,8 +858,6 @@ class _Bake:
             self.encode_missing(self.leave_to_other_ranks(todo, spec))
             self.record_undecodable()
             self.fail_lost_reuse()  # after: decodable inputs, misses to a dataset (encoded)
-            if isinstance(self.catalog, Catalog):  # one process, writing the catalog itself
-                retire_superseded(self.catalog, self.report.root)
             if self.catalog.fragmented:
                 self.report.fragment = self.catalog.finish()
                 self.report.merged = finish_part(

@@ -320,39 +320,6 @@ def fold_waiting(
             report.fragments += len(frags)
 
 
-def retire_superseded(catalog: Catalog, root: str) -> int:
-    """Retire the unfinished builds of ``root`` that the catalog's root, published after the
-    last of their fragments was sealed, supersedes (:func:`_superseded`), as a merge does:
-    their rows folded into ``catalog`` first, then their fragments removed. What a build in
-    one process calls once it has built ``root``: a Ray or torchrun build of it killed before
-    its merge, then built whole by a plain build, was listed as pending for ever (``roots``,
-    ``verify``: "run featbake merge or rerun the build", which did not clear it) and its
-    shards kept by gc as a waiting build's, also once the root was dropped. How many
-    fragments were retired.
-
-    A build still running keeps what it seals after the root's publish; its fragments sealed
-    before are retired, as ``featbake merge`` would retire them (their rows are kept).
-    """
-    builds = _by_build(catalog.layout)
-    waiting = {b: n for b, n in builds.items() if not _is_complete(n)}
-    if not waiting:
-        return 0
-    with merging_alone(catalog.layout):
-        void = Replacements.of(replacing_of(n.path) for names in builds.values() for n in names)
-        void.drop_void(catalog)
-        mine = {}
-        for bid, names in waiting.items():
-            try:
-                info = read_fragment(names[0].path, catalog.layout, with_entries=False).info
-            except (StoreCorrupt, FileNotFoundError):
-                continue  # unreadable (named by `verify`), or merged meanwhile
-            if info.root == root:
-                mine[bid] = names
-        report = MergeReport()
-        fold_waiting(catalog, mine, report, void)
-        return report.fragments
-
-
 def fold_newest_first(
     catalog: Catalog, frags: Sequence[Fragment], report: MergeReport, void: VoidRows
 ) -> None:

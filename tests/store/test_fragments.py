@@ -1072,42 +1072,6 @@ def test_a_merge_folds_an_unfinished_builds_shards_gc_keeps_them_and_parts_in_an
     assert_store_consistent(store)
 
 
-def test_a_plain_build_of_the_root_retires_an_unfinished_build_of_it(
-    tmp_path: Path, audio_dir: Path, encoder_file: Path
-) -> None:
-    """A build in parts (a Ray or torchrun build killed before its merge) left unfinished,
-    then the root built whole by a plain build: the parts stayed "pending" for ever (`roots`,
-    `verify`: "run featbake merge or rerun the build", and rerunning did not clear it), and
-    once the root was dropped gc kept their shards for good as a waiting build's. The plain
-    build retires them as a merge would (their rows kept); an unfinished build of another
-    root is left waiting."""
-    store = store_with_a_root(tmp_path, encoder_file)
-    layout = Layout(store)
-    other = tmp_path / "other_data"
-    write_audio_folder(other, 4, seconds=0.3, seed=31)
-    build_parts(audio_dir, encoder_file, store, 2, ranks=[0])  # killed: part 1 never ran
-    sealed = fragments_module.fragment_keys([f.path for f in sealed_fragments(layout)])
-    build_parts(other, encoder_file, store, 2, ranks=[1])  # another root's, waiting
-    report = build(audio_dir, encoder_file, cache=store, workers=0)
-    assert report.ok and report.reused > 0
-    (waiting,) = pending_builds(layout)  # the other root's only
-    assert waiting.root != report.root
-    assert Catalog(layout).present_keys(sorted(sealed)) == sealed  # rows kept
-    roots = invoke("roots", "--cache", store)
-    assert f"pending root {report.root}" not in roots.stdout, roots.stdout
-    assert_equals_live_root(store, report.root, audio_dir, encoder_file)
-    invoke("roots", "drop", report.root, "--cache", store)
-    assert invoke("gc", "--grace", "0s", "--cache", store).returncode == 0
-    assert Catalog(layout).present_keys(sorted(sealed)) == set()  # nothing keeps them now
-
-
-def assert_equals_live_root(store: Path, root: str, data: Path, encoder: Path) -> None:
-    got = stored_features(store, root)
-    assert sorted(got) == sorted(p.relative_to(data).as_posix() for p in data.rglob("*.wav"))
-    for rel, parts in got.items():
-        torch.testing.assert_close(parts[""], live_features(encoder, data / rel))
-
-
 def test_a_done_fragment_carries_its_undecodable_inputs_and_older_ones_read_as_none(
     tmp_path: Path,
 ) -> None:
