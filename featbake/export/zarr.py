@@ -82,27 +82,85 @@ def _rows_per_chunk(row_bytes: int) -> int:
     return max(1, CHUNK_BYTES // max(1, row_bytes))
 
 
-def _is_replaceable_export(path: Path, finished: bool) -> bool:
-    """An empty folder, or what an earlier export left: a finished one (OUT) is a Zarr v3
-    group whose attributes name ``featbake_version`` (another program's Zarr store is not
-    replaced); one a killed or stopped export began (``OUT.partial``) holds only Zarr's files
-    (``zarr.json`` and chunks under ``c/``), its top ``zarr.json`` perhaps removed already."""
+def _replace_problem(path: Path, finished: bool) -> str | None:
+    """Why the folder ``path`` may not be replaced by the export (None: it may). An empty
+    folder may, and what an earlier export left: one a killed or stopped export began
+    (``OUT.partial``) holds only Zarr's files (:func:`_zarr_file`), its top ``zarr.json``
+    perhaps removed already; a finished one (OUT) is a Zarr v3 group whose attributes name
+    ``featbake_version`` (another program's Zarr store is not replaced) and that holds no node,
+    attribute or file the export did not write (:func:`_added_to_export`): an array of labels
+    a user added beside the features was deleted by ``--overwrite`` without a word."""
     meta = path / "zarr.json"
     if not finished:
-        return all(_zarr_file(f.relative_to(path)) for f in path.rglob("*") if not f.is_dir())
+        if all(_zarr_file(f.relative_to(path)) for f in path.rglob("*") if not f.is_dir()):
+            return None
+        return _not_exported(path)
     if not meta.is_file():
-        return not any(path.iterdir())
+        return None if not any(path.iterdir()) else _not_exported(path)
     try:
         doc = json.loads(meta.read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and "featbake_version" in (doc.get("attributes") or {})
+        return _not_exported(path)
+    attributes = doc.get("attributes") if isinstance(doc, dict) else None
+    if not isinstance(attributes, dict) or "featbake_version" not in attributes:
+        return _not_exported(path)
+    added = _added_to_export(path, attributes)
+    if not added:
+        return None
+    return (
+        f"{path} holds {', '.join(added[:3])}{' and more' if len(added) > 3 else ''}, which the "
+        "export did not write; the export would delete them, so move them out first or "
+        "choose another OUT"
+    )
+
+
+def _not_exported(path: Path) -> str:
+    return (
+        f"{path} is a folder that is not a Zarr store featbake exported; the export would "
+        "delete its contents, so choose another OUT (or move that folder away)"
+    )
+
+
+#: The top group's attributes an export writes (:func:`_open_partial`).
+EXPORT_ATTRIBUTES = frozenset({
+    "featbake_version", "root", "data", "encoder", "encoder_fp", "recipe_fp", "recipe", "items",
+    "missing", "parts", "part_groups", "layouts",
+})  # fmt: skip
+
+#: The arrays of a part's group.
+PART_ARRAYS = frozenset({"values", "offsets", "lengths"})
+
+
+def _added_to_export(path: Path, attributes: Mapping[str, Any]) -> list[str]:
+    """What a finished export at ``path`` holds that the export did not write (by its
+    ``attributes``: its parts and their groups): top attributes, nodes beside its own, and
+    files that are not Zarr's (``columns/`` holds the root's own columns, any names)."""
+    added = [f"attribute {name!r}" for name in attributes if name not in EXPORT_ATTRIBUTES]
+    named = attributes.get("part_groups")
+    groups = {str(g) for g in named.values()} - {""} if isinstance(named, dict) else set()
+    own = {"zarr.json", *TOP_NAMES, *groups, *(PART_ARRAYS if "" in (named or {}) else ())}
+    for child in sorted(path.iterdir()):
+        if child.name not in own:
+            added.append(child.name)
+        elif child.name in groups and child.is_dir():
+            own_part = PART_ARRAYS | {"zarr.json"}
+            added += [
+                f"{child.name}/{c.name}" for c in sorted(child.iterdir()) if c.name not in own_part
+            ]
+    if not added:
+        added = [str(f.relative_to(path)) for f in sorted(path.rglob("*"))
+                 if not f.is_dir() and not _zarr_file(f.relative_to(path))]  # fmt: skip
+    return added
 
 
 def _zarr_file(rel: Path) -> bool:
     """Whether a file at ``rel`` inside a Zarr v3 store is one of Zarr's own: a node's
-    ``zarr.json`` or a chunk (a path through a ``c`` folder)."""
-    return rel.name == "zarr.json" or "c" in rel.parts[:-1]
+    ``zarr.json``, zarr's temporary file of one (``zarr.<hex>.partial``, left by a kill within
+    its rename: a rerun refused its own export's leftover as another program's) or a chunk (a
+    path through a ``c`` folder)."""
+    name = rel.name
+    temporary = name.startswith("zarr.") and name.endswith(".partial")
+    return name == "zarr.json" or temporary or "c" in rel.parts[:-1]
 
 
 def check_destination(
@@ -126,12 +184,7 @@ def check_destination(
 def _not_zarr(path: Path, finished: bool) -> str | None:
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         return f"{path} is a file or a link, not a Zarr folder; remove it or choose another OUT"
-    if path.is_dir() and not _is_replaceable_export(path, finished):
-        return (
-            f"{path} is a folder that is not a Zarr store featbake exported; the export would "
-            "delete its contents, so choose another OUT (or move that folder away)"
-        )
-    return None
+    return _replace_problem(path, finished) if path.is_dir() else None
 
 
 #: Chunks of ``values`` written per call to zarr (over all parts): enough for its codec

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import soundfile
 
 from featbake.store.files import Taken, lock_taken
 from featbake.testing import make_tone, write_audio_folder
-from tests.conftest import run_cli
+from tests.conftest import invoke, run_cli
 from tests.encode.test_manifests import write_jsonl
 from tests.helpers import Live, bake, one_red_line, printed
 
@@ -124,6 +125,43 @@ def test_overwrite_replaces_only_what_featbake_exported(built: Path, tmp_path: P
         assert any(name.endswith(".json") for name in tar.getnames())
     meta = json.loads(pq.read_schema(tmp_path / "f.parquet").metadata[b"featbake"])
     assert "featbake_version" in meta and pq.read_table(tmp_path / "f.parquet").num_rows == 3
+
+
+def test_overwrite_keeps_what_a_user_added_to_a_zarr_export(built: Path, tmp_path: Path) -> None:
+    """An array of labels and an attribute a user added to a Zarr export were deleted by
+    ``export --overwrite`` without a word (exit 0; a webdataset folder holding other files is
+    refused). Refused in one line naming them, the export left as it was; the export as
+    written is still replaced."""
+    out = tmp_path / "f.zarr"
+    assert invoke("export", out, "--cache", built).returncode == 0
+    group = zarr.open_group(str(out), mode="a")
+    group.create_array("labels", shape=(3,), dtype="i4")[:] = [7, 8, 9]
+    group.attrs["my_note"] = "hand-labelled"
+    r = invoke("export", out, "--cache", built, "--overwrite")
+    line = one_red_line(r)
+    assert r.returncode == 2 and "holds attribute 'my_note', labels, which the export" in line
+    kept = zarr.open_group(str(out), mode="r")
+    assert kept["labels"][:].tolist() == [7, 8, 9] and kept.attrs["my_note"] == "hand-labelled"
+    (out / "NOTES.txt").write_text("mine\n")  # a file of the user's, as webdataset refuses
+    del zarr.open_group(str(out), mode="a").attrs["my_note"]
+    shutil.rmtree(out / "labels")
+    line = one_red_line(invoke("export", out, "--cache", built, "--overwrite"))
+    assert "holds NOTES.txt, which the export did not write" in line, line
+    (out / "NOTES.txt").unlink()
+    assert invoke("export", out, "--cache", built, "--overwrite").returncode == 0
+
+
+def test_a_zarr_export_killed_in_zarrs_rename_is_rerun(built: Path, tmp_path: Path) -> None:
+    """A kill within zarr's write of a ``zarr.json`` leaves its temporary file
+    (``zarr.<hex>.partial``) in ``OUT.partial``: every rerun, ``--overwrite`` too, refused it
+    as "not a Zarr store featbake exported". It is the export's own leftover now."""
+    partial = tmp_path / "f.zarr.partial"
+    partial.mkdir()
+    (partial / f"zarr.{'ab' * 16}.partial").write_text("{")
+    r = invoke("export", tmp_path / "f.zarr", "--cache", built)
+    assert r.returncode == 0, printed(r)
+    assert zarr.open_group(str(tmp_path / "f.zarr"), mode="r").attrs["items"] == 3
+    assert not partial.exists()
 
 
 def test_an_out_whose_folder_is_missing_is_refused_and_nothing_is_made(
