@@ -251,7 +251,8 @@ class AudioSource:
         Raises:
             SourceError: the file is missing, unreadable or not audio, or the span is not in it.
         """
-        rate, audio = self._read(path, span, data)
+        rate, decoded = self._read(path, span, data)
+        audio = decoded
         if audio.shape[0] == 0:
             raise SourceError(f"{path}: the file holds no audio samples")
         if not np.isfinite(audio).all():
@@ -266,6 +267,8 @@ class AudioSource:
         audio = np.ascontiguousarray(audio.T, dtype=np.float32)  # [C, T]
         if self.recipe.normalize:
             audio = zero_mean_unit_var(audio)
+        if not np.isfinite(audio).all():  # decoded finite: overflowed in the steps above
+            raise overflowed(path, decoded)
         import torch
 
         return torch.from_numpy(audio[0] if self.recipe.mono else audio)
@@ -318,26 +321,29 @@ def crop_margin(rate: int, to: int) -> int:
 
 
 def resampled(path: str | os.PathLike[str], audio: np.ndarray, rate: int, to: int) -> np.ndarray:
-    """``[T, C]`` finite samples at ``rate`` resampled to ``to`` Hz, refused where nothing is
-    left (a clip shorter than one sample at ``to``: an encoder failed on it, or stored empty
-    features) or where the resampler overflowed (samples near float32's limit became NaN, and
-    the encoder was blamed for the NaN features).
+    """``[T, C]`` samples at ``rate`` resampled to ``to`` Hz, refused where nothing is left (a
+    clip shorter than one sample at ``to``: an encoder failed on it, or stored empty features).
 
     Raises:
-        SourceError: no sample is left, or one is not finite.
+        SourceError: no sample is left.
     """
     out = soxr_resample(audio, rate, to)
     if out.shape[0] == 0:
         raise SourceError(
             f"{path}: {audio.shape[0]} sample(s) at {rate:,} Hz leave none resampled to {to:,} Hz"
         )
-    if not np.isfinite(out).all():
-        peak = float(np.abs(audio).max())
-        raise SourceError(
-            f"{path}: resampling from {rate:,} to {to:,} Hz gave NaN or infinite samples (its "
-            f"largest sample is {peak:.3g}); scale the audio into [-1, 1]"
-        )
     return out
+
+
+def overflowed(path: str | os.PathLike[str], decoded: np.ndarray) -> SourceError:
+    """The error for finite ``decoded`` samples that featbake's steps (mixing the channels,
+    resampling, normalising) made NaN or infinite in float32: samples near its limit (3.4e38);
+    the encoder was blamed for the NaN features, and ``--allow-nonfinite`` suggested."""
+    peak = float(np.abs(decoded).max())
+    return SourceError(
+        f"{path}: its samples (the largest {peak:.3g}) overflow float32 when mixed, resampled "
+        "or normalised; scale the audio into [-1, 1]"
+    )
 
 
 def soxr_resample(audio: np.ndarray, rate: int, to: int) -> np.ndarray:

@@ -99,6 +99,9 @@ def _bad_files(tmp_path: Path) -> dict[str, Path]:
     loud = tmp_path / "loud.wav"  # finite, but soxr's filter overflows float32 to inf / NaN
     noise = np.random.default_rng(0).standard_normal(4410).astype(np.float32)
     soundfile.write(loud, noise / np.abs(noise).max() * 3.3e38, 44100, subtype="FLOAT")
+    loud_stereo = tmp_path / "loud_stereo.wav"  # at 16 kHz: the mix of two channels overflows
+    both = np.full((1600, 2), 3e38, np.float32)
+    soundfile.write(loud_stereo, both, 16000, subtype="FLOAT")
     return {
         "empty": empty,
         "nosamples": no_samples,
@@ -107,6 +110,7 @@ def _bad_files(tmp_path: Path) -> dict[str, Path]:
         "nan": nan,
         "one": one,
         "loud": loud,
+        "loud_stereo": loud_stereo,
         "missing": tmp_path / "missing.wav",
     }
 
@@ -120,7 +124,8 @@ def _bad_files(tmp_path: Path) -> dict[str, Path]:
         ("truncated", "cannot decode audio"),
         ("nan", "NaN"),
         ("one", "1 sample\\(s\\) at 44,100 Hz leave none resampled to 16,000 Hz"),
-        ("loud", "resampling from 44,100 to 16,000 Hz gave NaN or infinite samples .* 3.3e\\+38"),
+        ("loud", "the largest 3.3e\\+38\\) overflow float32 when mixed, resampled or normalised"),
+        ("loud_stereo", "the largest 3e\\+38\\) overflow float32"),
         ("missing", "file not found"),
     ],
 )
@@ -131,6 +136,16 @@ def test_bad_audio_is_a_source_error_naming_the_path(
     with pytest.raises(SourceError, match=reason) as e:
         AudioSource(Recipe()).load(path)
     assert str(path) in str(e.value)
+
+
+def test_audio_normalised_past_float32_is_a_source_error(tmp_path: Path) -> None:
+    """Finite mono samples near float32's limit at the recipe's rate: normalising them made NaN
+    features, and the encoder was blamed. The file is named instead; a quiet one still serves."""
+    loud = tmp_path / "loud.wav"
+    soundfile.write(loud, np.linspace(-3e38, 3e38, 1600, dtype=np.float32), 16000, subtype="FLOAT")
+    with pytest.raises(SourceError, match=r"loud.wav: its samples .* overflow float32"):
+        AudioSource(Recipe(normalize=True)).load(loud)
+    assert np.isfinite(AudioSource(Recipe()).load(loud).numpy()).all()  # not normalised: as read
 
 
 def test_npy_source(tmp_path: Path) -> None:
