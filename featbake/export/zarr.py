@@ -137,8 +137,11 @@ def _added_to_export(path: Path, attributes: Mapping[str, Any]) -> list[str]:
     files that are not Zarr's (``columns/`` holds the root's own columns, any names)."""
     added = [f"attribute {name!r}" for name in attributes if name not in EXPORT_ATTRIBUTES]
     named = attributes.get("part_groups")
-    groups = {str(g) for g in named.values()} - {""} if isinstance(named, dict) else set()
-    own = {"zarr.json", *TOP_NAMES, *groups, *(PART_ARRAYS if "" in (named or {}) else ())}
+    if not isinstance(named, dict):  # an export before 2026-11-30: each part's group its name
+        parts = attributes.get("parts")
+        named = {str(p): str(p) for p in parts} if isinstance(parts, list) else {"": ""}
+    groups = {str(g) for g in named.values()} - {""}
+    own = {"zarr.json", *TOP_NAMES, *groups, *(PART_ARRAYS if "" in named else ())}
     for child in sorted(path.iterdir()):
         if child.name not in own:
             added.append(child.name)

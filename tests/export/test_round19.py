@@ -149,6 +149,9 @@ def test_overwrite_keeps_what_a_user_added_to_a_zarr_export(built: Path, tmp_pat
     assert "holds NOTES.txt, which the export did not write" in line, line
     (out / "NOTES.txt").unlink()
     assert invoke("export", out, "--cache", built, "--overwrite").returncode == 0
+    older = zarr.open_group(str(out), mode="a")  # an export made before `part_groups` was
+    del older.attrs["part_groups"]
+    assert invoke("export", out, "--cache", built, "--overwrite").returncode == 0
 
 
 def test_a_zarr_export_killed_in_zarrs_rename_is_rerun(built: Path, tmp_path: Path) -> None:
