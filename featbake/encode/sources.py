@@ -251,12 +251,14 @@ class AudioSource:
         Raises:
             SourceError: the file is missing, unreadable or not audio, or the span is not in it.
         """
-        rate, decoded = self._read(path, span, data)
-        audio = decoded
+        rate, audio = self._read(path, span, data)
         if audio.shape[0] == 0:
             raise SourceError(f"{path}: the file holds no audio samples")
         if not np.isfinite(audio).all():
             raise SourceError(f"{path}: the audio holds NaN or infinite samples")
+        peak = max(float(audio.max()), -float(audio.min()))  # two passes, no temporary
+        if peak > MAX_SAMPLE:
+            raise overflowed(path, peak)
         if span is not None and span.channel is not None:
             audio = audio[:, span.channel : span.channel + 1]  # that channel, not the mix
         audio = audio.mean(axis=1, keepdims=True) if self.recipe.mono else audio
@@ -268,7 +270,7 @@ class AudioSource:
         if self.recipe.normalize:
             audio = zero_mean_unit_var(audio)
         if not np.isfinite(audio).all():  # decoded finite: overflowed in the steps above
-            raise overflowed(path, decoded)
+            raise overflowed(path, peak)
         import torch
 
         return torch.from_numpy(audio[0] if self.recipe.mono else audio)
@@ -335,14 +337,20 @@ def resampled(path: str | os.PathLike[str], audio: np.ndarray, rate: int, to: in
     return out
 
 
-def overflowed(path: str | os.PathLike[str], decoded: np.ndarray) -> SourceError:
-    """The error for finite ``decoded`` samples that featbake's steps (mixing the channels,
-    resampling, normalising) made NaN or infinite in float32: samples near its limit (3.4e38);
-    the encoder was blamed for the NaN features, and ``--allow-nonfinite`` suggested."""
-    peak = float(np.abs(decoded).max())
+#: The largest decoded sample magnitude featbake's float32 steps take: past it a normalising
+#: variance (a sum of squares: 1e24 a sample, 5.8e32 over 100 hours at 16 kHz) or a mix could
+#: overflow float32 (3.4e38). Audio is [-1, 1]; a float file a few times past that is taken.
+MAX_SAMPLE = 1e12
+
+
+def overflowed(path: str | os.PathLike[str], peak: float) -> SourceError:
+    """The error for finite samples (the largest of magnitude ``peak``) that featbake's steps
+    (mixing the channels, resampling, normalising) would make NaN, infinite or all zero in
+    float32: the encoder was blamed for the NaN features, and ``--allow-nonfinite``
+    suggested; a variance overflowed to inf normalised every sample to 0, served silently."""
     return SourceError(
         f"{path}: its samples (the largest {peak:.3g}) overflow float32 when mixed, resampled "
-        "or normalised; scale the audio into [-1, 1]"
+        f"or normalised (featbake takes up to {MAX_SAMPLE:.0e}); scale the audio into [-1, 1]"
     )
 
 

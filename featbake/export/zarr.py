@@ -133,27 +133,51 @@ PART_ARRAYS = frozenset({"values", "offsets", "lengths"})
 
 def _added_to_export(path: Path, attributes: Mapping[str, Any]) -> list[str]:
     """What a finished export at ``path`` holds that the export did not write (by its
-    ``attributes``: its parts and their groups): top attributes, nodes beside its own, and
-    files that are not Zarr's (``columns/`` holds the root's own columns, any names)."""
+    ``attributes``: its parts, their groups and layouts): top attributes, nodes beside its own
+    (a dense part has no ``offsets`` or ``lengths``), attributes of any other node (the export
+    writes none there), and files that are not Zarr's (``columns/`` holds the root's own
+    columns, any names)."""
     added = [f"attribute {name!r}" for name in attributes if name not in EXPORT_ATTRIBUTES]
     named = attributes.get("part_groups")
     if not isinstance(named, dict):  # an export before 2026-11-30: each part's group its name
         parts = attributes.get("parts")
         named = {str(p): str(p) for p in parts} if isinstance(parts, list) else {"": ""}
-    groups = {str(g) for g in named.values()} - {""}
-    own = {"zarr.json", *TOP_NAMES, *groups, *(PART_ARRAYS if "" in named else ())}
+    layouts = attributes.get("layouts")
+    layouts = layouts if isinstance(layouts, dict) else {}
+    nested = {str(g).split("/")[0] for g in named.values() if "/" in str(g)}  # before part_groups
+    groups = {str(g): _part_arrays(layouts.get(p)) for p, g in named.items() if "/" not in str(g)}
+    top = {"zarr.json", *TOP_NAMES, *nested, *groups.pop("", ())}
     for child in sorted(path.iterdir()):
-        if child.name not in own:
-            added.append(child.name)
-        elif child.name in groups and child.is_dir():
-            own_part = PART_ARRAYS | {"zarr.json"}
+        if child.name in groups and child.is_dir():
+            own = groups[child.name] | {"zarr.json"}
             added += [
-                f"{child.name}/{c.name}" for c in sorted(child.iterdir()) if c.name not in own_part
+                f"{child.name}/{c.name}" for c in sorted(child.iterdir()) if c.name not in own
             ]
+        elif child.name not in top:
+            added.append(child.name)
+    for meta in sorted(path.rglob("zarr.json")):
+        node = meta.parent.relative_to(path)
+        if str(node) != "." and "c" not in node.parts and _node_attributes(meta):
+            added.append(f"the attributes of {node.as_posix()}")
     if not added:
         added = [str(f.relative_to(path)) for f in sorted(path.rglob("*"))
                  if not f.is_dir() and not _zarr_file(f.relative_to(path))]  # fmt: skip
     return added
+
+
+def _part_arrays(layout: object) -> frozenset[str]:
+    """The arrays an export writes in a part's group, by its ``layouts`` attribute: a dense
+    part's ``values`` alone (any of them where the layout is not said)."""
+    return frozenset({"values"}) if layout == "dense" else PART_ARRAYS
+
+
+def _node_attributes(meta: Path) -> bool:
+    """Whether the node whose ``zarr.json`` is ``meta`` holds attributes (or cannot be read)."""
+    try:
+        doc = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return True
+    return not isinstance(doc, dict) or bool(doc.get("attributes"))
 
 
 def _zarr_file(rel: Path) -> bool:

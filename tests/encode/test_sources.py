@@ -139,13 +139,22 @@ def test_bad_audio_is_a_source_error_naming_the_path(
 
 
 def test_audio_normalised_past_float32_is_a_source_error(tmp_path: Path) -> None:
-    """Finite mono samples near float32's limit at the recipe's rate: normalising them made NaN
-    features, and the encoder was blamed. The file is named instead; a quiet one still serves."""
+    """Finite mono samples far past [-1, 1] at the recipe's rate: normalising them made NaN
+    features (the encoder was blamed) or, where only the variance overflowed, all-zero ones,
+    served silently. The file is named instead; a float file a few times past 1 is normalised."""
     loud = tmp_path / "loud.wav"
     soundfile.write(loud, np.linspace(-3e38, 3e38, 1600, dtype=np.float32), 16000, subtype="FLOAT")
     with pytest.raises(SourceError, match=r"loud.wav: its samples .* overflow float32"):
         AudioSource(Recipe(normalize=True)).load(loud)
-    assert np.isfinite(AudioSource(Recipe()).load(loud).numpy()).all()  # not normalised: as read
+    big = tmp_path / "big.wav"  # a float32 variance of 1e20 noise is inf: every sample was 0
+    noise = np.random.default_rng(1).standard_normal(16000).astype(np.float32) * 1e20
+    soundfile.write(big, noise, 16000, subtype="FLOAT")
+    with pytest.raises(SourceError, match=r"big.wav: its samples .* overflow float32"):
+        AudioSource(Recipe(normalize=True)).load(big)
+    fine = tmp_path / "fine.wav"  # a float file past [-1, 1], as some are: normalised as before
+    soundfile.write(fine, noise / 1e20 * 40, 16000, subtype="FLOAT")
+    got = AudioSource(Recipe(normalize=True)).load(fine).numpy()
+    assert abs(float(got.std()) - 1) < 1e-3
 
 
 def test_npy_source(tmp_path: Path) -> None:

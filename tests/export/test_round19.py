@@ -148,6 +148,10 @@ def test_overwrite_keeps_what_a_user_added_to_a_zarr_export(built: Path, tmp_pat
     line = one_red_line(invoke("export", out, "--cache", built, "--overwrite"))
     assert "holds NOTES.txt, which the export did not write" in line, line
     (out / "NOTES.txt").unlink()
+    zarr.open_group(str(out), mode="a")["values"].attrs["units"] = "dB"  # a node's, not the top's
+    line = one_red_line(invoke("export", out, "--cache", built, "--overwrite"))
+    assert "holds the attributes of values, which the export did not write" in line, line
+    del zarr.open_group(str(out), mode="a")["values"].attrs["units"]
     assert invoke("export", out, "--cache", built, "--overwrite").returncode == 0
     older = zarr.open_group(str(out), mode="a")  # an export made before `part_groups` was
     del older.attrs["part_groups"]
