@@ -10,7 +10,8 @@ group for a single-output encoder, else one sub-group per part, named by the par
 * fixed size: a dense ``values [N, ...]``;
 
 and ``keys [N]``, ``paths [N]`` (each item's id: its path relative to the root's data folder, a
-manifest row's id) at the top, in the manifest's order, and under ``columns/`` one array per
+manifest row's id) at the top, in the manifest's order, and under ``columns/`` (named by the
+``columns`` attribute) one array per
 column the items' rows carry (a manifest's labels, a tar's ``.cls``: int64 where every item has
 a whole number, float64 where every value is a number, NaN where missing, else text, with JSON
 for nested values; a name zarr cannot take, such as the unnamed index column of a CSV pandas
@@ -124,7 +125,7 @@ def _not_exported(path: Path) -> str:
 #: The top group's attributes an export writes (:func:`_open_partial`).
 EXPORT_ATTRIBUTES = frozenset({
     "featbake_version", "root", "data", "encoder", "encoder_fp", "recipe_fp", "recipe", "items",
-    "missing", "parts", "part_groups", "layouts",
+    "missing", "parts", "part_groups", "layouts", "columns",
 })  # fmt: skip
 
 #: The arrays of a part's group.
@@ -155,6 +156,11 @@ def _added_to_export(path: Path, attributes: Mapping[str, Any]) -> list[str]:
             ]
         elif child.name not in top:
             added.append(child.name)
+    columns = attributes.get("columns")  # an export before 2026-12-03: any names there
+    if isinstance(columns, list) and (path / "columns").is_dir():
+        own_columns = {*map(str, columns), "zarr.json"}
+        added += [f"columns/{c.name}" for c in sorted((path / "columns").iterdir())
+                  if c.name not in own_columns]  # fmt: skip
     for meta in sorted(path.rglob("zarr.json")):
         node = meta.parent.relative_to(path)
         if str(node) != "." and "c" not in node.parts and _node_attributes(meta):
@@ -237,7 +243,7 @@ class Zarr:
         # the first runs are read while zarr creates the store
         with ReadAhead(job.src, GROUP_BYTES, job.progress) as runs:
             top, groups, writers = _open_partial(
-                job.partial, job.src, job.layouts, self.compression
+                job.partial, job.src, job.layouts, self.compression, job.rows
             )
             with ThreadPoolExecutor(1, thread_name_prefix="featbake-export-index") as pool:
                 index = pool.submit(_write_index, top, groups, job.src, job.layouts, job.rows)
@@ -287,9 +293,12 @@ def _open_partial(
     src: ExportSource,
     layouts: dict[str, PartLayout],
     compression: Compression,
+    rows: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[Any, dict[str, Any], dict[str, _PartWriter]]:
     """Create ``OUT.partial`` with its attributes and each part's group and ``values``; the
-    root group, and each part's group and values writer, by part."""
+    root group, and each part's group and values writer, by part. The ``columns`` attribute
+    names the arrays ``columns/`` will hold (``rows``' columns), so that ``--overwrite`` can
+    tell an array a user added there from the export's own (:func:`_added_to_export`)."""
     import zarr
 
     if partial.exists():
@@ -312,6 +321,7 @@ def _open_partial(
             "parts": list(layouts),
             "part_groups": part_groups(list(layouts)),
             "layouts": {p: "ragged" if lay.ragged else "dense" for p, lay in layouts.items()},
+            "columns": column_nodes(rows or ()),
         }
     )
     named = part_groups(list(layouts))
@@ -356,6 +366,18 @@ def _write_index(
             "lengths", shape=(n,), chunks=(min(n, 1 << 20),), dtype="int64",
             dimension_names=(ITEM,),
         )[:] = np.array(lay.lengths, dtype=np.int64)  # fmt: skip
+
+
+def column_nodes(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The names of the arrays :func:`_write_columns` writes under ``columns/`` for ``rows``
+    (pure).
+
+    Example:
+        >>> column_nodes([{"label": 1}, {"a/b": 2}]), column_nodes([])
+        (['label', 'row_a_b'], [])
+    """
+    names = dict.fromkeys(name for row in rows for name in row)
+    return list(carried_names(list(names), usable=node_name).values())
 
 
 def _write_columns(group: Any, rows: Sequence[Mapping[str, Any]]) -> None:

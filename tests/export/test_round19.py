@@ -158,6 +158,32 @@ def test_overwrite_keeps_what_a_user_added_to_a_zarr_export(built: Path, tmp_pat
     assert invoke("export", out, "--cache", built, "--overwrite").returncode == 0
 
 
+def test_overwrite_keeps_an_array_a_user_added_under_columns(
+    encoder_file: Path, store_dir: Path, tmp_path: Path
+) -> None:
+    """``columns/`` holds the root's own columns, under any names: an array of the user's
+    there was deleted by ``--overwrite``. The ``columns`` attribute names the export's own, so
+    the user's is refused by name; the export's own columns are replaced as before."""
+    write_audio_folder(tmp_path / "audio", 3, seconds=(0.3, 0.6), seed=1)
+    clips = sorted((tmp_path / "audio").glob("*.wav"))
+    rows = [{"path": str(c), "label": 10 + i} for i, c in enumerate(clips)]
+    manifest = write_jsonl(tmp_path / "m.jsonl", rows)
+    assert invoke("build", "-e", encoder_file, "-d", manifest, "--cache", store_dir).returncode == 0
+    out = tmp_path / "f.zarr"
+    assert invoke("export", out, "--cache", store_dir).returncode == 0
+    group = zarr.open_group(str(out), mode="a")
+    assert group.attrs["columns"] == ["label"] and group["columns/label"][:].tolist() == [
+        10,
+        11,
+        12,
+    ]
+    group["columns"].create_array("my_labels", shape=(3,), dtype="i4")[:] = [7, 8, 9]
+    line = one_red_line(invoke("export", out, "--cache", store_dir, "--overwrite"))
+    assert "holds columns/my_labels, which the export did not write" in line, line
+    shutil.rmtree(out / "columns" / "my_labels")
+    assert invoke("export", out, "--cache", store_dir, "--overwrite").returncode == 0
+
+
 def test_a_zarr_export_killed_in_zarrs_rename_is_rerun(built: Path, tmp_path: Path) -> None:
     """A kill within zarr's write of a ``zarr.json`` leaves its temporary file
     (``zarr.<hex>.partial``) in ``OUT.partial``: every rerun, ``--overwrite`` too, refused it
