@@ -17,6 +17,7 @@ pipeline, keys and dataset do not change.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -254,9 +255,10 @@ class AudioSource:
         rate, audio = self._read(path, span, data)
         if audio.shape[0] == 0:
             raise SourceError(f"{path}: the file holds no audio samples")
-        if not np.isfinite(audio).all():
+        low, high = float(audio.min()), float(audio.max())  # NaN and inf carry through
+        if not (math.isfinite(low) and math.isfinite(high)):
             raise SourceError(f"{path}: the audio holds NaN or infinite samples")
-        peak = max(float(audio.max()), -float(audio.min()))  # two passes, no temporary
+        peak = max(high, -low)
         if peak > MAX_SAMPLE:
             raise overflowed(path, peak)
         if span is not None and span.channel is not None:

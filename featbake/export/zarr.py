@@ -28,7 +28,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,7 +93,7 @@ def _replace_problem(path: Path, finished: bool) -> str | None:
     a user added beside the features was deleted by ``--overwrite`` without a word."""
     meta = path / "zarr.json"
     if not finished:
-        if all(_zarr_file(f.relative_to(path)) for f in path.rglob("*") if not f.is_dir()):
+        if all(_zarr_file(rel) for rel in _files_beside_chunks(path)):
             return None
         return _not_exported(path)
     if not meta.is_file():
@@ -161,14 +161,28 @@ def _added_to_export(path: Path, attributes: Mapping[str, Any]) -> list[str]:
         own_columns = {*map(str, columns), "zarr.json"}
         added += [f"columns/{c.name}" for c in sorted((path / "columns").iterdir())
                   if c.name not in own_columns]  # fmt: skip
-    for meta in sorted(path.rglob("zarr.json")):
-        node = meta.parent.relative_to(path)
-        if str(node) != "." and "c" not in node.parts and _node_attributes(meta):
-            added.append(f"the attributes of {node.as_posix()}")
-    if not added:
-        added = [str(f.relative_to(path)) for f in sorted(path.rglob("*"))
-                 if not f.is_dir() and not _zarr_file(f.relative_to(path))]  # fmt: skip
+    named = set(added)  # what lies under a node named already is not named again
+    for rel in sorted(_files_beside_chunks(path)):
+        if any(p.as_posix() in named for p in (rel, *rel.parents)):
+            continue
+        if rel.name != "zarr.json":
+            if not _zarr_file(rel):
+                added.append(str(rel))
+        elif rel.parent != Path(".") and _node_attributes(path / rel):
+            added.append(f"the attributes of {rel.parent.as_posix()}")
     return added
+
+
+def _files_beside_chunks(path: Path) -> Iterator[Path]:
+    """Every file under ``path`` (relative to it) but those in a ``c`` folder: chunks, which
+    are Zarr's own whatever their names, and the bulk of an export's files (one walk, none of
+    them listed); a link to a folder as itself."""
+    for folder, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if d != "c"]
+        here = Path(folder).relative_to(path)
+        yield from (here / name for name in files)
+        # a link to a folder is not walked into: named itself, never a Zarr file
+        yield from (here / d for d in dirs if os.path.islink(os.path.join(folder, d)))
 
 
 def _part_arrays(layout: object) -> frozenset[str]:
