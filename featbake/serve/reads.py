@@ -49,6 +49,7 @@ from featbake.store.features import relocated
 from featbake.store.fidelity import SERVED, recorded_serve_dtype
 from featbake.store.layout import Layout
 from featbake.store.open import place_of
+from featbake.store.place import damaged_shard
 from featbake.store.shard import (
     ST_TO_DTYPE,
     Leases,
@@ -56,7 +57,6 @@ from featbake.store.shard import (
     Span,
     SpanCheck,
     TensorInfo,
-    damaged_rows,
     native_readable,
     read_leased,
     read_spans,
@@ -1051,7 +1051,7 @@ class Reads:
                     f"item {i} (tensor {name}) has a row scale that is not finite; run "
                     "`featbake verify --repair` to quarantine its shard, then `featbake build`"
                 )
-            return damaged_rows(self.shard_path(sid), name)
+            return damaged_shard(self.layout, self.index.shard_names[sid], unfinite_scale(name))
 
         return refused
 

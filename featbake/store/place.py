@@ -29,6 +29,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
+from featbake.errors import ShardDamaged
 from featbake.store.files import (
     FOLDER_LOCK,
     LockFile,
@@ -38,10 +39,10 @@ from featbake.store.files import (
     opened_lock,
 )
 from featbake.store.layout import Layout
+from featbake.store.shard import ShardReader, corrupt_shard, damaged_object
 
 if TYPE_CHECKING:
     from featbake.store.merge import MergeReport
-    from featbake.store.shard import ShardReader
 
 # == records =======================================================================================
 # Where a store's shards, fragments and catalog last: a local directory
@@ -534,6 +535,17 @@ def remote_place(layout: Layout) -> RemotePlace | None:
     if remote is None:  # a directory: no protocol check (~50 us on 3.11, per read-ahead hint)
         return None
     return remote if isinstance(remote, RemotePlace) else None
+
+
+def damaged_shard(layout: Layout, name: str, why: str) -> ShardDamaged:
+    """The error for shard ``name`` of ``layout``'s store found damaged (``why``) where no
+    reader of it is at hand (a reader says its own place: :meth:`ShardReader.damaged`): a
+    directory's file and ``verify --repair``, or a bucket's object and the bucket's fix (it
+    has no repair), never the tier's path, where nothing may lie."""
+    remote = remote_place(layout)
+    if remote is None:
+        return corrupt_shard(layout.shard_path(name), why)
+    return damaged_object(remote.shard_where(name), why)
 
 
 def place_holds_shard(layout: Layout, name: str) -> bool:

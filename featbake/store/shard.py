@@ -359,12 +359,6 @@ def unfinite_scale(name: str) -> str:
     return f"tensor {name} has a row scale that is not finite"
 
 
-def damaged_rows(path: Path, name: str) -> ShardDamaged:
-    """The error for a damaged int8/fp8 row (:func:`unfinite_scale`) of the shard at ``path``
-    where no reader of it is at hand (a reader says its own place: :meth:`ShardReader.damaged`)."""
-    return corrupt_shard(path, unfinite_scale(name))
-
-
 def open_regular(path: Path) -> int:
     """A read-only fd of ``path``, refusing anything but a regular file without blocking.
 

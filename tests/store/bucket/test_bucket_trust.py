@@ -7,6 +7,7 @@ stalled or malformed endpoint is one line. Served features are compared with the
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import threading
@@ -14,15 +15,21 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from featbake import CachedFeatureDataset
 from featbake.bake.pipeline import build
 from featbake.errors import ConfigError, StoreCorrupt
+from featbake.quantize import Scheme
+from featbake.quantize import dequantize as dequantize_rows
+from featbake.recipe import Recipe
+from featbake.serve.loader import FeatureLoader
 from featbake.store.catalog import open_sqlite
 from featbake.store.objects import ObjectStore
 from featbake.store.open import open_store
+from featbake.store.shard import ShardReader
 from featbake.store.url import BucketURL
 from featbake.store.versions import newest, version_name, version_of
 from featbake.testing import write_audio_folder
@@ -991,3 +998,79 @@ def test_a_range_past_an_objects_end_is_no_bytes_on_every_cloud(
     assert bucket.read_range("shards/ab/short", 8, 4) == b"89"
     with pytest.raises(FileNotFoundError):
         bucket.read_range_of("shards/ab/none", 20, 5)
+
+
+@pytest.mark.parametrize(
+    ("ram_cache", "dequantize"), [(0, False), ("64MiB", True)], ids=["store-packed", "ram"]
+)
+def test_an_int8_row_scale_not_finite_in_an_object_is_named_with_the_buckets_fix(
+    s3: S3,
+    audio_dir: Path,
+    encoder_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    ram_cache: object,
+    dequantize: bool,
+) -> None:
+    """An int8 row whose scale is not finite (its checksum left as it was), read by ranges with
+    verify="never", was refused by a batch and by the RAM tier naming the tier's path (where
+    nothing lies) and `featbake verify --repair` (refused on a bucket): every path names the
+    object and the bucket's fix now, as a read of the item alone did; its neighbours are served
+    as the encoder gives them now."""
+    build(audio_dir, encoder_file, cache=s3.url, recipe=Recipe(dtype="int8"), batch_size=1)
+    monkeypatch.setenv("FEATBAKE_BUCKET_READS", "ranged")
+
+    def dataset() -> CachedFeatureDataset:
+        return CachedFeatureDataset(
+            audio_dir, encoder_file, cache=s3.url, local_cache=tmp_path / "node", dtype="int8",
+            on_miss="error", verify="never", ram_cache=ram_cache, dequantize=dequantize,
+        )  # fmt: skip
+
+    ds, bad = dataset(), 5
+    name = nan_scale_in_object(bucket_of(s3), ds._index.key(bad), tmp_path / "x")
+    damaged = rf"^{re.escape(s3.url)}/{re.escape(name)} is damaged in the bucket \(tensor \S+ "
+    damaged += r"has a row scale that is not finite\): nothing of it is served; delete it, then"
+    served = {
+        i: live_features(encoder_file, Path(ds.path(i)), Recipe(dtype="float32")) for i in (3, 4, 7)
+    }
+
+    def assert_served(i: int, got: torch.Tensor) -> None:
+        if not dequantize:
+            got = dequantize_rows(got, Scheme.INT8, torch.float32)
+        torch.testing.assert_close(got.float(), served[i], atol=0.05, rtol=0.05)
+
+    for _ in range(2):  # read as stored, then located (or the RAM tier)
+        with pytest.raises(StoreCorrupt, match=damaged):
+            ds[bad]
+        assert_served(4, ds[4])
+    ds = dataset()
+    for _ in range(2):  # padded batches: planned, then located (or the RAM tier)
+        with pytest.raises(StoreCorrupt, match=damaged):
+            ds.__getitems__([3, bad, 7])
+        for i, got in zip((3, 7), ds.__getitems__([3, 7]), strict=True):
+            assert_served(i, got)
+    with pytest.raises(StoreCorrupt, match=damaged):
+        ds[bad]
+    with pytest.raises(StoreCorrupt, match=damaged):
+        for _ in FeatureLoader(dataset(), batch_size=6, shuffle=False):
+            pass
+
+
+def nan_scale_in_object(bucket: ObjectStore, key: str, tmp: Path) -> str:
+    """Write NaN over the second row's scale of ``key``'s stored int8 tensor in the shard
+    object holding it (its checksum left as it was); that object's name."""
+    for name in (o.name for o in bucket.list("shards/")):
+        bucket.download(name, tmp)
+        with ShardReader(tmp) as reader:
+            info = reader.tensors.get(key)
+        if info is None:
+            continue
+        width = info.shape[-1]
+        at = info.begin + width + width - 4
+        blob = bytearray(tmp.read_bytes())
+        blob[at : at + 4] = np.float32(np.nan).tobytes()
+        tmp.chmod(0o644)
+        tmp.write_bytes(bytes(blob))
+        bucket.upload(name, tmp)
+        return name
+    raise AssertionError(f"no shard object holds {key}")
