@@ -243,15 +243,15 @@ def ray_session(address: str | None) -> Iterator[Any]:
     unanswered = nothing_answers(ray, address)
     if unanswered is not None:
         raise ConfigError(ray_unreached(address, unanswered))
-    quiet_stops(ray)
     try:
-        ray.init(
-            address=address,
-            num_cpus=process_cpus() if address == "local" else None,
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level="ERROR",
-        )
+        with quiet_stops(ray):
+            ray.init(
+                address=address,
+                num_cpus=process_cpus() if address == "local" else None,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level="ERROR",
+            )
     except (ValueError, ConnectionError, RuntimeError) as e:  # ray.init's own errors
         raise ConfigError(ray_unreached(address, first_line(e))) from None
     except OSError as e:  # its temp folder: read-only, not a folder, full
@@ -262,15 +262,24 @@ def ray_session(address: str | None) -> Iterator[Any]:
         ray.shutdown()
 
 
-def quiet_stops(ray: Any) -> None:
-    """Keep Ray's crash handler out of this process (its workers keep theirs): ``ray.init``
-    installs one on SIGTERM too, which printed a native stack dump above the build's one
-    ``stopped`` line when SLURM, Kubernetes or docker stopped it (the build's own handler
-    then kept what was sealed, as it does without Ray). Ray reads the switch, its
-    ``RAY_DISABLE_FAILURE_SIGNAL_HANDLER``, when ``ray.init`` starts this process's worker."""
+@contextlib.contextmanager
+def quiet_stops(ray: Any) -> Iterator[None]:
+    """Keep Ray's crash handler out of this process (its workers keep theirs) for the
+    ``ray.init`` run inside: it installs one on SIGTERM too, which printed a native stack
+    dump above the build's one ``stopped`` line when SLURM, Kubernetes or docker stopped it
+    (the build's own handler then kept what was sealed, as it does without Ray). Ray reads the
+    switch, its ``RAY_DISABLE_FAILURE_SIGNAL_HANDLER``, when ``ray.init`` starts this
+    process's worker; it is put back after, for the process's own later ``ray.init`` calls."""
     constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
-    if constants is not None and hasattr(constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"):
-        constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    if constants is None or not hasattr(constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"):
+        yield
+        return
+    before = constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER
+    constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    try:
+        yield
+    finally:
+        constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = before
 
 
 #: Seconds a TCP connect to a Ray address may take before the build says nothing answers.

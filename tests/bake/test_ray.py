@@ -512,13 +512,17 @@ def test_a_ray_build_of_inputs_the_hash_cache_knows_connects_to_encode(
 def test_a_local_ray_started_by_a_build_has_the_cpus_this_process_may_use() -> None:
     # Ray's own default counts the machine's CPUs; a build pinned to one CPU (taskset, a
     # cgroup quota) would start actors that fight over it. Its workers inherit the process's
-    # environment (no runtime_env): what an import-path encoder on PYTHONPATH needs.
+    # environment (no runtime_env): what an import-path encoder on PYTHONPATH needs. Ray's
+    # crash handler is kept out of the session's ray.init, and only of it (later ray.init
+    # calls in the process install it as before).
     script = (
         "import os\n"
+        "from ray._private import ray_constants\n"
         "from featbake.bake.ray_engine import ray_session\n"
         "with ray_session(None) as ray:\n"
         "    probe = ray.remote(lambda: os.environ.get('FEATBAKE_PROBE'))\n"
         "    print(int(ray.cluster_resources()['CPU']), ray.get(probe.remote()))\n"
+        "print(ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "FEATBAKE_PROBE": "inherited"}
     env.pop("RAY_ADDRESS", None)
@@ -528,7 +532,7 @@ def test_a_local_ray_started_by_a_build_has_the_cpus_this_process_may_use() -> N
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["1", "inherited"], proc.stdout
+    assert proc.stdout.split() == ["1", "inherited", "False"], proc.stdout
 
 
 #: Folders whose files this process's opens are recorded (see :func:`opens_under`).
