@@ -196,13 +196,7 @@ def _require_catalog(layout: Layout) -> None:
             f"the store {describe(layout)} holds only unmerged build fragments; run `featbake "
             "merge` once every part of the build is done"
         )
-    if isinstance(layout.remote, BucketStore) and layout.remote.lost_its_catalog():
-        raise StoreError(
-            f"the store {describe(layout)} holds shard objects but no catalog version and no "
-            "fragment: its catalog/ objects were deleted (restore them from a copy of the "
-            "bucket, or build into it again: every input is encoded again), or a first build "
-            "into it has not named its shards yet (retry in a minute)"
-        )
+    refuse_lost_catalog(layout)
     if layout.remote is not None:
         raise StoreError(
             f"the store {describe(layout)} has no published catalog yet; build into it "
@@ -219,6 +213,25 @@ def _require_catalog(layout: Layout) -> None:
         f"the store {layout.root} has no catalog.sqlite; run `featbake verify --repair` to "
         "rebuild it from the shards and root manifests"
     )
+
+
+def refuse_lost_catalog(layout: Layout) -> None:
+    """Refuse a bucket store whose catalog versions were deleted (it holds shard objects and
+    no catalog version or fragment): every command says so, where a new store's words ("no
+    published catalog yet") or a verify's ("clean", its shards orphans) would mislead.
+
+    Raises:
+        StoreError: the bucket lost its catalog, with what to do.
+    """
+    if layout.catalog.exists() or not isinstance(layout.remote, BucketStore):
+        return
+    if layout.remote.lost_its_catalog():
+        raise StoreError(
+            f"the store {describe(layout)} holds shard objects but no catalog version and no "
+            "fragment: its catalog/ objects were deleted (restore them from a copy of the "
+            "bucket, or build into it again: every input is encoded again), or a first build "
+            "into it has not named its shards yet (retry in a minute)"
+        )
 
 
 def commit(layout: Layout, change: Callable[[Layout], Change[T]]) -> T:

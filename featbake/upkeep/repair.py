@@ -32,7 +32,7 @@ from featbake.store.hash_cache import ENCODER_FP_PREFIX
 from featbake.store.layout import Layout
 from featbake.store.locks import exclusive_write_lock
 from featbake.store.old_catalog import OldCatalog, read_old_catalog
-from featbake.store.open import StoreRef, place_of
+from featbake.store.open import StoreRef, place_of, refuse_lost_catalog
 from featbake.store.place import VerifyScope
 from featbake.store.roots import root_file, roots_dir, tombstone_file, write_root_file
 from featbake.store.shard import (
@@ -446,6 +446,7 @@ def verify(
     if repair_damage and refusal is not None:
         raise ConfigError(refusal)
     if place.verify_scope() is VerifyScope.NAMED_SHARDS:
+        refuse_lost_catalog(layout)  # else every shard an orphan of a "clean" store
         return verify_named(layout, progress)
     if repair_damage:
         return repair(layout, progress, redigest)

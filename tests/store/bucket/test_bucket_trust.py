@@ -194,16 +194,18 @@ def test_a_bucket_whose_catalog_versions_were_deleted_says_so(
     s3: S3, audio_dir: Path, encoder_file: Path, tmp_path: Path
 ) -> None:
     """Every catalog version deleted, the shards left: a fresh node said the store had "no
-    published catalog yet; build into it", as of a new one. It says the versions are gone and
-    what to do, in one line."""
+    published catalog yet; build into it", as of a new one, and `verify` called it clean, every
+    shard an orphan (gc's to delete). Each says the versions are gone and what to do, in one
+    line."""
     build(audio_dir, encoder_file, cache=s3.url, workers=0)
     bucket = ObjectStore(BucketURL.parse(s3.url))
     bucket.delete(s3.objects("catalog/"))
-    got = invoke("stats", "--cache", s3.url, "--local-cache", tmp_path / "fresh")
-    lines = got.stderr.strip().splitlines()
-    assert got.returncode != 0 and len(lines) == 1, got.stderr
-    assert "holds shard objects but no catalog version and no fragment" in lines[0], lines[0]
-    assert "restore them from a copy" in lines[0]
+    for command in ("stats", "verify"):
+        got = invoke(command, "--cache", s3.url, "--local-cache", tmp_path / f"fresh-{command}")
+        lines = got.stderr.strip().splitlines()
+        assert got.returncode != 0 and len(lines) == 1, (command, got.stdout, got.stderr)
+        assert "holds shard objects but no catalog version and no fragment" in lines[0], lines[0]
+        assert "restore them from a copy" in lines[0]
     # A build in parts not merged yet holds fragments: told to merge, as before.
     for part in ("0/2", "1/2"):
         build(audio_dir, encoder_file, cache=s3.url, workers=0, shard=part)
