@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
     from featbake.store.catalog import Catalog
+    from featbake.store.merge import PendingBuild
     from featbake.upkeep import GcPlan, GcResult
 from pathlib import Path
 
@@ -249,14 +250,23 @@ def _print_pending(cache: Any) -> None:
 
     layout = open_store(cache, need=Need.STORE)
     for p in unmerged_builds(layout):  # a done build's root waits for `featbake merge` alone
-        then = "run `featbake merge`" if p.complete else "`featbake merge` when all are done"
-        out.print(f"[yellow]pending[/] {escape(p.describe())}; {then}")
+        out.print(f"[yellow]pending[/] {escape(p.describe())}; {escape(_merged_when(p))}")
     served = len(serving_fragments(layout))
     if served:
         out.print(
             f"[yellow]pending[/] {served} serving fragments (write-back and last uses of datasets "
             "on a shared filesystem); `featbake merge` folds them in"
         )
+
+
+def _merged_when(p: PendingBuild) -> str:
+    """What a user runs to publish pending build ``p``'s root, or to give it up."""
+    if p.complete:
+        return "run `featbake merge`"
+    return (
+        f"`featbake merge` when all are done (`featbake merge --abandon {p.root}` if a part "
+        "was killed for good)"
+    )
 
 
 @roots_app.command(
@@ -767,6 +777,7 @@ def redigested(
         examples(
             "featbake merge",
             "sbatch --dependency=afterok:$array merge.sbatch   # docs/scaling.md's merge job",
+            "featbake merge --abandon r-3f1c9a0e12ab   # its killed build's part will not run",
         )
         + UPKEEP_EXIT_CODES
     )
@@ -776,13 +787,26 @@ def merge(
     cache: CacheOpt = None,
     local_cache: LocalCacheOpt = None,
     local_cache_size: LocalCacheSizeOpt = None,
+    abandon: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--abandon",
+            metavar="ROOT",
+            help="Retire the unfinished builds of root ROOT (repeatable): a build whose part "
+            "was killed for good stays pending otherwise, and gc keeps what it sealed. Only "
+            "once no part of it runs; its stored features are reused by a rebuild, or freed "
+            "by gc once no root names them.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Fold every finished sharded build (`build --shard I/N`, SLURM arrays) into the catalog.
 
     A build is merged once all its parts have sealed their fragment; builds still running are
     left for a later merge and listed. Safe to run while parts still run, safe to kill, and a
-    second merge changes nothing. Under torchrun rank 0 merges by itself.
+    second merge changes nothing. Under torchrun rank 0 merges by itself. A build one part of
+    which will never finish (killed for good, an array task cancelled) is pending until
+    `--abandon` names its root.
     """
     note_inert_options(ctx, cache)
     from featbake.store.open import Need, open_store, place_of
@@ -793,7 +817,7 @@ def merge(
     )
     if layout.remote is None:  # --cache at the wrong place: nothing to merge there
         refuse_unmarked(layout)
-    report = place_of(layout).merge()
+    report = place_of(layout).merge(frozenset(abandon or ()))
     if as_json:
         out.print_json(json.dumps(report.to_json()))
         return
@@ -812,8 +836,13 @@ def merge(
         )
     for root in report.superseded:
         out.print(f"retired: the unfinished build of root {escape(root)} (built again since)")
+    for root in report.abandoned:
+        out.print(
+            f"abandoned: the unfinished builds of root {escape(root)} (what they stored is "
+            "reused by a rebuild, or freed by gc once no root names it)"
+        )
     for p in report.pending:
-        out.print(f"pending: {escape(p.describe())}")
+        out.print(f"pending: {escape(p.describe())}; {escape(_merged_when(p))}")
     if report.missing_shards:
         console.print(
             f"[red]{len(report.missing_shards)} shards named by fragments are gone[/]; their "

@@ -24,6 +24,7 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable, Collection, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -855,8 +856,8 @@ class BucketStore(ProcessLocalState):
     def builds_in_fragments(self) -> bool:
         return True  # the tier's catalog is a published version, never written in place
 
-    def merge(self) -> MergeReport:
-        return merge_bucket(self)
+    def merge(self, abandon: AbstractSet[str] = frozenset()) -> MergeReport:
+        return merge_bucket(self, abandon=abandon)
 
     def serving_mode(self) -> bool:
         return True  # written-back features go to fragments, published after their shards
@@ -1162,12 +1163,16 @@ def lost_work(store: BucketStore, work: Layout) -> StoreError:
     )
 
 
-def merge_bucket(store: BucketStore, *, between: Between = None) -> MergeReport:
-    """Fold the bucket's fragments into a new catalog version (see the module docstring).
+def merge_bucket(
+    store: BucketStore, *, between: Between = None, abandon: AbstractSet[str] = frozenset()
+) -> MergeReport:
+    """Fold the bucket's fragments into a new catalog version (see the module docstring);
+    the unfinished builds of the roots in ``abandon`` are retired.
 
     ``between`` is a test hook, called with the local merge's steps, then ``published``.
 
     Raises:
+        ConfigError: a root in ``abandon`` has no unfinished build in the bucket.
         StoreError: the bucket cannot be read or written, or others kept publishing first.
     """
 
@@ -1181,7 +1186,7 @@ def merge_bucket(store: BucketStore, *, between: Between = None) -> MergeReport:
         folding = {f.path.name for f in sealed_fragments(store.layout) if f.path.name in listed}
         for name in folding:
             os.link(here / name, fragments_dir(work) / name)
-        report = merge(work, between=between, skip_damaged=True)
+        report = merge(work, between=between, skip_damaged=True, abandon=abandon)
         folded = folding - {f.path.name for f in sealed_fragments(work)}
         for name in report.damaged:
             warnings.warn(

@@ -16,7 +16,12 @@ Then the builds not finished (a part killed, preempted, or still running): their
 rows only (:func:`fold_waiting`; their manifests wait for every rank), so a rerun in any shape
 finds what they sealed, and gc keeps those rows while their fragments wait. A build whose root
 was published again after its last fragment (a rerun of the same data, encoder and recipe in
-another shape, or in one process) is retired: its fragments are unlinked.
+another shape, or in one process) is retired: its fragments are unlinked. So is one whose root
+the user names to ``abandon`` (``featbake merge --abandon ROOT``): a build some part of which
+was killed for good (a Ray or torchrun build SIGKILLed and never rerun, an array task that will
+not run) stays pending for ever otherwise, and gc keeps its shards; nothing here can tell such
+a part from one still to start. Its shards' rows stay in the catalog, freed by gc once no root
+names them.
 
 Then the ``serve`` fragments of datasets on a shared filesystem or a bucket's tier, each on its
 own, oldest first: its encoder, its root manifest (unless the catalog's root is newer), its
@@ -38,10 +43,11 @@ import json
 import sqlite3
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from featbake.errors import ShardMissing, StoreCorrupt
+from featbake.errors import ConfigError, ShardMissing, StoreCorrupt
 from featbake.store.catalog import Catalog, VoidRows
 from featbake.store.fidelity import Measured, write_fidelity
 from featbake.store.files import fsync_dir
@@ -103,6 +109,8 @@ class MergeReport:
     waiting_shards: int = 0
     #: roots whose unfinished build was retired: a later build of the root was published
     superseded: list[str] = field(default_factory=list)
+    #: roots whose unfinished builds were retired because the user abandoned them
+    abandoned: list[str] = field(default_factory=list)
     #: rows the catalog held, before this merge folded anything, that a build's replacement
     #: voids (:class:`Replacements`): a bucket publishes their drop even where nothing else
     #: changed
@@ -117,6 +125,7 @@ class MergeReport:
             "new_features": self.new_features,
             "waiting_shards": self.waiting_shards,
             "superseded": self.superseded,
+            "abandoned": self.abandoned,
             "void_rows": self.void_rows,
             "missing_shards": self.missing_shards,
             "pending": [p.__dict__ | {"ranks_done": list(p.ranks_done)} for p in self.pending],
@@ -160,16 +169,23 @@ def unmerged_builds(layout: Layout, *, complete: bool = True) -> list[PendingBui
 
 
 def merge(
-    layout: Layout, *, between: Callable[[str], None] | None = None, skip_damaged: bool = False
+    layout: Layout,
+    *,
+    between: Callable[[str], None] | None = None,
+    skip_damaged: bool = False,
+    abandon: AbstractSet[str] = frozenset(),
 ) -> MergeReport:
     """Fold every complete build's sealed fragments into the catalog; see the module docstring.
 
     ``between`` is a test hook called after each step (``root``, ``rows``, ``hashes``). With
     ``skip_damaged`` (a bucket store, where one damaged object must not block every node's
     builds) a build with an unreadable fragment is left unmerged and named in
-    ``report.damaged``; everything else merges.
+    ``report.damaged``; everything else merges. ``abandon``: roots whose unfinished builds
+    are retired (parts killed for good: see the module docstring), named in
+    ``report.abandoned``.
 
     Raises:
+        ConfigError: a root in ``abandon`` has no unfinished build here (nothing is changed).
         StoreCorrupt: a fragment is unreadable (the message says to move it aside), unless
             ``skip_damaged``.
         StoreError: the catalog cannot be written.
@@ -181,7 +197,7 @@ def merge(
     # One merge at a time: a second, having listed and read a build's fragments, folded them
     # again after the first had removed them. It waits, then lists what is left.
     with merging_alone(layout):
-        return _merged(layout, between, skip_damaged)
+        return _merged(layout, between, skip_damaged, abandon)
 
 
 def merging_alone(layout: Layout, where: str = "") -> contextlib.AbstractContextManager[None]:
@@ -206,13 +222,18 @@ MERGE_LOCK = "merge.lock"
 
 
 def _merged(
-    layout: Layout, between: Callable[[str], None] | None, skip_damaged: bool
+    layout: Layout,
+    between: Callable[[str], None] | None,
+    skip_damaged: bool,
+    abandon: AbstractSet[str],
 ) -> MergeReport:
     """:func:`merge`'s work, with the store's merge lock held."""
     report = MergeReport()
     builds = _by_build(layout)
     complete = {b: n for b, n in builds.items() if _is_complete(n)}
     waiting = {b: n for b, n in builds.items() if b not in complete}
+    if abandon:
+        refuse_unknown_abandoned(layout, abandon)
     serving = serving_fragments(layout)
     if not builds and not serving:
         if layout.catalog.exists() and Path(f"{layout.catalog}-journal").exists():
@@ -244,7 +265,7 @@ def _merged(
                     f.path.unlink()
             fsync_dir(fragments_dir(layout))
             report.fragments += len(frags[bid])
-        fold_waiting(catalog, waiting, report, void)
+        fold_waiting(catalog, waiting, report, void, abandon)
         if serving:
             readable = _readable_serving(serving, layout, skip_damaged, report)
             _fold_serving(catalog, readable, report, void.rows)
@@ -296,11 +317,12 @@ def fold_waiting(
     waiting: dict[str, list[FragmentName]],
     report: MergeReport,
     void: Replacements,
+    abandon: AbstractSet[str] = frozenset(),
 ) -> None:
     """Fold the shards' rows of builds not finished yet (``waiting``: build id -> its sealed
     fragments) into the catalog, less the ``void`` rows, and retire each such build a later
-    build of its root superseded. A build with an unreadable fragment is left as it is
-    (``pending`` names it)."""
+    build of its root superseded, or whose root is in ``abandon``. A build with an unreadable
+    fragment is left as it is (``pending`` names it)."""
     for names in waiting.values():
         try:
             frags = [_read(n.path, catalog.layout) for n in names]
@@ -311,13 +333,36 @@ def fold_waiting(
         report.waiting_shards += folded.shards
         report.new_features += folded.new_features
         report.missing_shards += folded.missing_shards
-        if _superseded(catalog, frags):
+        root = frags[0].info.root
+        retired = report.abandoned if root in abandon else None
+        if retired is None and _superseded(catalog, frags):
+            retired = report.superseded
+        if retired is not None:
             for f in frags:
                 with contextlib.suppress(FileNotFoundError):
                     f.path.unlink()
             fsync_dir(fragments_dir(catalog.layout))
-            report.superseded.append(frags[0].info.root)
+            if root not in retired:
+                retired.append(root)
             report.fragments += len(frags)
+
+
+def refuse_unknown_abandoned(layout: Layout, abandon: AbstractSet[str]) -> None:
+    """Refuse to abandon a root that has no unfinished build in ``layout`` (a typo, or a build
+    merged or retired since), before anything is changed.
+
+    Raises:
+        ConfigError: naming the roots whose builds wait, or saying none does.
+    """
+    waiting = sorted({p.root for p in pending_builds(layout)})
+    unknown = sorted(set(abandon) - set(waiting))
+    if not unknown:
+        return
+    listed = ", ".join(waiting) if waiting else "none"
+    raise ConfigError(
+        f"--abandon {unknown[0]}: no unfinished build of that root is waiting to be merged "
+        f"(roots with one: {listed}); nothing was changed"
+    )
 
 
 def fold_newest_first(

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import closing
 from enum import Enum
 from pathlib import Path
@@ -364,8 +365,8 @@ class LocalPlace:
     def sync_catalog(self) -> int:
         return 0  # the catalog is written in place: it is the newest
 
-    def merge(self) -> MergeReport:
-        return merge(self.layout)
+    def merge(self, abandon: AbstractSet[str] = frozenset()) -> MergeReport:
+        return merge(self.layout, abandon=abandon)
 
     def serving_mode(self) -> bool:
         """Fragments on a shared filesystem only, where SQLite must not be written from many

@@ -433,9 +433,10 @@ class Place(Protocol):
         merge or gc published one since); its version. A directory's is written in place: 0."""
         ...
 
-    def merge(self) -> MergeReport:
+    def merge(self, abandon: AbstractSet[str] = frozenset()) -> MergeReport:
         """Fold the finished builds' fragments into the catalog: in place for a directory, as
-        the next published version for a bucket."""
+        the next published version for a bucket; the unfinished builds of the roots in
+        ``abandon`` are retired (:func:`featbake.store.merge.merge`)."""
         ...
 
     def serving_mode(self) -> bool:

@@ -1072,6 +1072,43 @@ def test_a_merge_folds_an_unfinished_builds_shards_gc_keeps_them_and_parts_in_an
     assert_store_consistent(store)
 
 
+def test_an_abandoned_build_is_retired_and_what_it_stored_is_reused_then_freed(
+    tmp_path: Path, audio_dir: Path, encoder_file: Path
+) -> None:
+    """A build one part of which was killed for good stayed pending for ever ("`featbake
+    merge` when all are done"), and gc kept what it sealed even once nothing else named it:
+    nothing could tell the dead part from one still to start. `merge --abandon ROOT` retires
+    it: `roots` says how, a root without an unfinished build is refused in one line changing
+    nothing, a rebuild reuses what it sealed, and gc frees it once no root names it."""
+    store = tmp_path / "store"
+    layout = Layout(store)
+    build_parts(audio_dir, encoder_file, store, 2, ranks=[0])  # part 1 of 2 was killed
+    sealed = fragments_module.fragment_keys([f.path for f in sealed_fragments(layout)])
+    (pending,) = pending_builds(layout)
+    listed = invoke("roots", "--cache", store)
+    assert f"`featbake merge --abandon {pending.root}` if a part was killed" in listed.stdout
+
+    typo = invoke("merge", "--cache", store, "--abandon", "r-nosuchroot")
+    assert typo.returncode == 2 and len(typo.stderr.strip().splitlines()) == 1, typo.stderr
+    assert "no unfinished build of that root" in typo.stderr and pending.root in typo.stderr
+    assert pending_builds(layout) == [pending]  # nothing changed
+
+    got = invoke("merge", "--cache", store, "--abandon", pending.root)
+    assert got.returncode == 0, got.stderr
+    assert f"abandoned: the unfinished builds of root {pending.root}" in got.stdout
+    assert sealed_fragments(layout) == [] and pending_builds(layout) == []
+    assert "pending" not in invoke("roots", "--cache", store).stdout
+
+    whole = build(audio_dir, encoder_file, cache=store, workers=0)
+    clips = len(list(audio_dir.rglob("*.wav")))
+    assert whole.reused == len(sealed) and whole.encoded == clips - len(sealed)
+    assert_equals_live(store, audio_dir, encoder_file)
+    assert invoke("roots", "drop", whole.root, "--cache", store).returncode == 0
+    assert invoke("gc", "--grace", "0s", "--cache", store).returncode == 0
+    assert Catalog(layout).present_keys(sorted(sealed)) == set()
+    assert list((store / "shards").rglob("*.safetensors")) == []
+
+
 def test_a_done_fragment_carries_its_undecodable_inputs_and_older_ones_read_as_none(
     tmp_path: Path,
 ) -> None:

@@ -237,6 +237,38 @@ def test_parts_built_on_two_nodes_are_merged_from_a_third(
     assert_bucket_serves_live(place, clips, tmp_path)
 
 
+def test_a_build_abandoned_from_another_node_is_retired_from_the_bucket(
+    s3: S3, clips: Path, tmp_path: Path, counting_encoder: dict[str, str], monkeypatch
+) -> None:
+    """A bucket build one part of which was killed for good stayed pending for every node;
+    `merge --abandon ROOT` from another node retires it: its fragment objects go, no node
+    lists it, and a whole build reuses what it sealed."""
+    monkeypatch.syspath_prepend(counting_encoder["PYTHONPATH"].split(os.pathsep)[1])
+    part = invoke(
+        *build_args(clips, s3.url), "--shard", "0/2", env=node(s3, "a", tmp_path, counting_encoder)
+    )
+    assert part.returncode == 0, part.stderr
+    sealed = len(encoded_rows(counting_encoder))
+    listed = invoke("merge", "--cache", s3.url, env=node(s3, "b", tmp_path, counting_encoder))
+    (line,) = [ln for ln in listed.stdout.splitlines() if ln.startswith("pending: root ")]
+    root = line.split()[2].rstrip(":")
+    assert f"`featbake merge --abandon {root}` if a part was killed for good" in line, line
+    got = invoke(
+        "merge", "--cache", s3.url, "--abandon", root,
+        env=node(s3, "b", tmp_path, counting_encoder),
+    )  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    assert f"abandoned: the unfinished builds of root {root}" in got.stdout
+    assert not s3.objects("fragments/")
+    fresh = invoke("roots", "--cache", s3.url, env=node(s3, "c", tmp_path, counting_encoder))
+    assert fresh.returncode == 0 and "pending" not in fresh.stdout, fresh.stdout + fresh.stderr
+    whole = invoke(*build_args(clips, s3.url), env=node(s3, "c", tmp_path, counting_encoder))
+    assert whole.returncode == 0, whole.stderr
+    assert len(encoded_rows(counting_encoder)) == 24  # the sealed half reused, the rest encoded
+    assert 0 < sealed < 24
+    assert_bucket_serves_live(s3, clips, tmp_path)
+
+
 @pytest.mark.parametrize("step", ["rows", "published"])
 def test_a_merge_killed_at_any_step_loses_nothing(
     place: Place,
