@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from featbake.device import process_cpus
-from featbake.errors import ConfigError, ShardMissing, StoreCorrupt, StoreError
+from featbake.errors import ConfigError, ShardDamaged, ShardMissing, StoreCorrupt, StoreError
 from featbake.native import kernels
 from featbake.process import PerProcess
 from featbake.quantize import (
@@ -49,7 +49,7 @@ from featbake.store.features import relocated
 from featbake.store.fidelity import SERVED, recorded_serve_dtype
 from featbake.store.layout import Layout
 from featbake.store.open import place_of
-from featbake.store.place import damaged_shard
+from featbake.store.place import damaged_shard, remote_place
 from featbake.store.shard import (
     ST_TO_DTYPE,
     Leases,
@@ -587,6 +587,14 @@ class Reads:
         self.served = served  # how items are served: their rows' scales checked when read
         self._paths: list[Path] = []
 
+    def moved_away(self, sid: int) -> bool:
+        """Whether shard ``sid``, found damaged by a reader opened before, is no longer at its
+        path in a directory store: `featbake verify --repair` quarantined it (or gc removed it)
+        since. Its items are then looked up again (a miss where the repair dropped them), not
+        refused with the repair's own advice. (A bucket's tier keeps no file for ranged
+        reads: there the damage stands.)"""
+        return remote_place(self.layout) is None and not self.shard_path(sid).exists()
+
     def shard_path(self, sid: int) -> Path:
         paths = self._paths
         names = self.index.shard_names
@@ -662,8 +670,11 @@ class Reads:
         try:
             with Leases() as held:
                 value, served = self._item_held(st, i, sid, held)
-        except ShardMissing:
-            # gc compacted or dropped the shard after the index was built: look it up again.
+        except (ShardMissing, ShardDamaged) as e:
+            # gc compacted or dropped the shard after the index was built, or `verify --repair`
+            # quarantined it while this process held it open: look it up again.
+            if isinstance(e, ShardDamaged) and not self.moved_away(sid):
+                raise
             st.handles.forget(self.shard_path(sid))
             value, served = self.relocate(st, i), False
             if value is None:
@@ -1017,7 +1028,12 @@ class Reads:
             dest, tail = flat[start:end], flat[end : start + row_bytes]
             read.append(_RowRead(i, src.sid, path, reader, j, dest, tail, check))
         span_of = functools.partial(self._span, packed=packed)
-        scales = read_rows(read, padded.nbytes, span_of, packed)
+        try:
+            scales = read_rows(read, padded.nbytes, span_of, packed)
+        except ShardDamaged:
+            if any(self.moved_away(r.sid) for r in read):
+                return None  # quarantined meanwhile: the general path looks each item up
+            raise
         if served is not None and packed is not None:
             served.check(scales)
         for r in read:

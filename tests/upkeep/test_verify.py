@@ -113,6 +113,35 @@ def test_a_flipped_byte_is_caught_by_verify_and_by_the_reader(
     assert assert_serves(store_dir, report.root, audio_dir, encoder_file, live) == 16
 
 
+@pytest.mark.parametrize("read", ["item", "batch"])
+def test_a_shard_repaired_under_an_open_dataset_is_looked_up_again_not_refused(
+    encoder_file: Path, audio_dir: Path, store_dir: Path, read: str
+) -> None:
+    """A dataset checking every read (verify="always") held a shard open when a byte of it
+    was damaged and `featbake verify --repair` quarantined it: every read of its items then
+    failed "... is damaged; run `featbake verify --repair`", the repair just run, naming a
+    path where nothing lies (the open file kept its bytes). Those items are looked up again
+    now: the damaged one, which the repair dropped, is a miss encoded as the encoder gives it
+    now, its salvaged neighbours are served from where the repair put them."""
+    bake(audio_dir, encoder_file, store_dir)
+    ds = CachedFeatureDataset(
+        audio_dir, encoder_file, cache=store_dir, verify="always", on_miss="encode"
+    )
+    for i in range(len(ds)):
+        ds[i]  # every shard opened
+    victim = sorted(shard_files(store_dir))[0]
+    keys = sorted(_keys_in(victim))
+    _flip_data_byte(victim, keys[0])
+    repaired = invoke("verify", "--repair", "--cache", store_dir)
+    assert repaired.returncode == 10 and not victim.exists(), repaired.stdout + repaired.stderr
+    held = [i for i in range(len(ds)) if ds.key(i) in keys]
+    assert len(held) == len(keys) >= 2
+    got = [ds[i] for i in held] if read == "item" else ds.__getitems__(held)
+    for i, features in zip(held, got, strict=True):
+        torch.testing.assert_close(features, live_features(encoder_file, Path(ds.path(i))))
+    assert ds.cache_info().encoded == 1
+
+
 def test_mayhem_deleted_truncated_flipped_shards_and_no_catalog(
     encoder_file: Path, multi_encoder_file: Path, audio_dir: Path, store_dir: Path
 ) -> None:
