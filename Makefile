@@ -88,4 +88,4 @@ lint: install
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_architecture.py
 
 clean:
-	rm -rf $(VENV) .featbake examples/demo_data examples/demo_encoder.pt examples/*_work benchmarks/_work
+	rm -rf $(VENV) .featbake examples/demo_data examples/demo_store examples/demo_encoder.pt examples/*_work benchmarks/_work

@@ -164,7 +164,8 @@ MeanOpt = Annotated[
 StdOpt = Annotated[
     str | None,
     typer.Option(
-        help="Images: normalisation std per channel, e.g. 0.229,0.224,0.225, or none.",
+        help="Images: normalisation std per channel, e.g. 0.229,0.224,0.225, or none. "
+        "[default: the folder's processor, else ImageNet's]",
         show_default=False,
     ),
 ]
