@@ -223,12 +223,24 @@ def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     return [
         (f"{prefix}.{path}" if prefix else path, tensor)
         for prefix, sub in module.named_modules()
-        for key, value in vars(sub).items()
+        for key, value in held_attributes(sub).items()
         if keyed_attribute(key)
         and not derived_state(module_derived(sub), key, value)
         and key not in reparametrised_attributes(sub)
         for path, tensor in contained_tensors(key, value)
     ]
+
+
+def held_attributes(sub: torch.nn.Module) -> dict[str, Any]:
+    """``sub``'s attributes that are neither parameters nor buffers nor submodules: its
+    ``__dict__``, and a TorchScript module's scripted attributes (:func:`public_attributes`),
+    where a plain tensor attribute lives (``self.gain = torch.full((8,), 2.0)`` scripted: a
+    file saved with another gain kept its key, and its old features were served)."""
+    attrs = public_attributes(sub)
+    if attrs is vars(sub):
+        return attrs
+    buffers = dict(sub.named_buffers(recurse=False))
+    return {k: v for k, v in attrs.items() if k not in buffers}
 
 
 def public_attributes(module: Any) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import hashlib
 import math
 import os
 import shutil
+import subprocess
 import sys
 import textwrap
 import time
@@ -422,3 +423,190 @@ def test_what_a_forward_sets_below_an_attribute_is_found_in_every_pythons_byteco
     assert _held_below_self(own, 1) is None  # self.last = out: the module's own attribute
     other = [op("LOAD_FAST_LOAD_FAST", ("self", "cfg")), op("STORE_ATTR", "last")]
     assert _held_below_self(other, 1) is None  # cfg.last = self: not below self
+
+
+# -- what a file encoder runs besides its forward and its weights ------------------------------
+SCRIPTED_HELPERS = """
+import sys, torch
+from torch import nn
+
+if sys.argv[2] == "relu":
+    def act(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
+else:
+    def act(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+
+class Enc(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv1d(1, 8, 400, stride=160)
+
+    def helper(self, x: torch.Tensor) -> torch.Tensor:
+        return act(x)
+
+    if sys.argv[3] == "method":
+        def forward(self, wav: torch.Tensor) -> torch.Tensor:
+            return self.helper(self.conv(wav.unsqueeze(1))).transpose(1, 2)
+    else:
+        def forward(self, wav: torch.Tensor) -> torch.Tensor:
+            return act(self.conv(wav.unsqueeze(1))).transpose(1, 2)
+
+
+torch.jit.save(torch.jit.script(Enc().eval()), sys.argv[1])
+"""
+
+
+def _scripted(tmp_path: Path, name: str, act: str, helper: str, seed: int = 1) -> Path:
+    """A scripted encoder saved by a process of its own (TorchScript keeps what it compiled
+    by name for the process) with string hashing seeded ``seed``: forward calls a ``helper``
+    (a method, or a module's function) doing ``act``."""
+    maker = tmp_path / "make_scripted.py"
+    maker.write_text(SCRIPTED_HELPERS)
+    out = tmp_path / name
+    env = {**os.environ, "PYTHONHASHSEED": str(seed)}
+    subprocess.run([sys.executable, maker, out, act, helper], check=True, timeout=120, env=env)
+    return out
+
+
+@pytest.mark.parametrize("helper", ["method", "function"])
+def test_a_scripted_helper_changed_is_encoded_again_and_served_as_run_now(
+    tmp_path: Path, helper: str
+) -> None:
+    """A TorchScript file whose forward calls a method or a module-level function kept its key
+    when only that helper changed (relu to tanh): only forward's own code was keyed, a rebuild
+    reused every item and datasets served the relu features for the tanh model. The archive's
+    code files are keyed now, each class's declarations in sorted order (their line-number
+    tables are not: the same module saved again, by another process, keeps its key)."""
+    data, store = tmp_path / "audio", tmp_path / "store"
+    write_audio_folder(data, 3, seconds=0.5, seed=5)
+    relu = _scripted(tmp_path, "relu.pt", "relu", helper)
+    tanh = _scripted(tmp_path, "tanh.pt", "tanh", helper)
+    assert load_encoder(relu).module.code == load_encoder(tanh).module.code  # forward alike
+    assert _fp(relu) != _fp(tanh)
+    # The same module saved by other processes, under another name: one key (torch writes a
+    # module's constants in a set's order, which the hash seed changes).
+    for seed in (2, 3):
+        assert _fp(_scripted(tmp_path, f"again{seed}.pt", "relu", helper, seed)) == _fp(relu)
+    ckpt = tmp_path / "ckpt.pt"
+    shutil.copy(relu, ckpt)
+    assert build(data, ckpt, cache=store, workers=0).encoded == 3
+    shutil.copy(tanh, ckpt)
+    again = build(data, ckpt, cache=store, workers=0)
+    assert (again.encoded, again.reused) == (3, 0)
+    layout = Layout(store)
+    with Catalog(layout) as cat:
+        items = cat.root_items(again.root)
+    reader = FeatureReader(layout)
+    try:
+        for rel, key in items:
+            live = torch.jit.load(str(tanh))(source_for(Recipe()).load(data / rel)[None])[0]
+            torch.testing.assert_close(reader.get(key)[""], live)
+    finally:
+        reader.close()
+
+
+class _Gained(torch.nn.Module):
+    """Outputs scaled by a plain tensor attribute (neither a parameter nor a buffer)."""
+
+    def __init__(self, gain: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("bias", torch.ones(4))
+        self.gain = torch.full((4,), gain)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.gain + self.bias
+
+
+def test_a_scripted_tensor_attribute_changes_the_fingerprint(tmp_path: Path) -> None:
+    """A scripted module's plain tensor attribute lives in the archive's storages, which
+    ``data.pkl`` only names: files saved with gains 2 and 3 had one key and served each
+    other's features. Its value is keyed now, as an eager module's is; a buffer is keyed as a
+    buffer, once."""
+    x = torch.ones(1, 4)
+    fps = set()
+    for gain in (2.0, 3.0):
+        enc = load_encoder(save_torchscript(_Gained(gain), tmp_path / f"g{gain}.pt"))
+        torch.testing.assert_close(enc.run(x), _Gained(gain).eval()(x))
+        fps.add(enc.fingerprint)
+    assert len(fps) == 2
+    loaded = torch.jit.load(str(tmp_path / "g2.0.pt"))
+    assert [name for name, _ in tensor_attributes(loaded)] == ["gain"]
+
+
+class _Branching(torch.nn.Module):
+    """A ``torch.cond`` whose taken branch applies ``act``."""
+
+    def __init__(self, act: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.act = torch.relu if act == "relu" else torch.tanh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.cond(h.sum() > -1e9, lambda y: self.act(y), lambda y: y * 2, (h,))
+
+
+def test_an_exported_programs_branch_changes_the_fingerprint(tmp_path: Path) -> None:
+    """A torch.export program's branches (``torch.cond``) live in graphs of their own, which
+    the top graph only calls: programs whose taken branch differed (relu, tanh) had one key.
+    Every nested graph's code is keyed now."""
+    x = torch.randn(2, 3, 4)
+    fps = set()
+    for act in ("relu", "tanh"):
+        path = tmp_path / f"{act}.pt2"
+        torch.export.save(torch.export.export(_Branching(act).eval(), (x,)), str(path))
+        enc = load_encoder(path)
+        torch.testing.assert_close(enc.module(x), _Branching(act).eval()(x))
+        fps.add(enc.fingerprint)
+    assert len(fps) == 2
+
+
+def test_a_pickled_modules_helper_in_another_module_changes_the_fingerprint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pickled module (``--trust-pickle``) whose class calls a helper in another of the
+    user's modules kept its key when only the helper changed: only the class's own file was
+    keyed. The user's modules it imports are, as an import path's are."""
+    pkg = tmp_path / "pkhelp"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from pkhelp import helpers
+
+            class Enc(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    torch.manual_seed(0)
+                    self.lin = torch.nn.Linear(4, 4)
+
+                def forward(self, x):
+                    return helpers.act(self.lin(x))
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    helper = "import torch\n\ndef act(x):\n    return torch.{}(x)\n"
+    (pkg / "helpers.py").write_text(helper.format("relu"))
+    from pkhelp import model  # type: ignore[import-not-found]
+
+    pkl = tmp_path / "enc.pkl"
+    torch.save(model.Enc().eval(), pkl)
+    x = torch.randn(2, 4)
+    fps, outs = [], []
+    for act in ("relu", "sigmoid"):  # sizes differ: a .pyc of the same size and second stays
+        (pkg / "helpers.py").write_text(helper.format(act))
+        for name in ("pkhelp.helpers", "pkhelp.model", "pkhelp"):
+            sys.modules.pop(name, None)
+        enc = load_encoder(pkl, trust_pickle=True)
+        fps.append(enc.fingerprint)
+        outs.append(enc.module(x))
+    assert not torch.equal(outs[0], outs[1]) and fps[0] != fps[1]

@@ -4175,12 +4175,15 @@ def instance_names(module: Any) -> dict[type, frozenset[str]]:
 
 
 def script_identity(module: Any, path: Path) -> str:
-    """Code of every submodule, plus the archive's pickled attributes and constants.
+    """Code of every submodule, plus the archive's code, pickled attributes and constants.
 
-    A scripted module's ``.code`` does not show attribute values (``self.scale = 2.0``); they
-    live in the archive's ``data.pkl`` and ``constants.pkl``, whose bytes are the same each time
-    one module is saved. The entries are matched by name suffix, because their folder inside the
-    zip is named after the file.
+    A scripted module's ``.code`` is its ``forward`` alone, and shows no attribute values
+    (``self.scale = 2.0``); the archive's ``code/`` files hold every method and every function
+    it calls (``self.act(x)``, a module-level helper: a file whose helper changed from relu to
+    tanh kept its key, and its old features were served), and its ``data.pkl`` and
+    ``constants.pkl`` the attributes, whose bytes are the same each time one module is saved.
+    The entries are named without their first folder, which is named after the file; the
+    ``.debug_pkl`` beside each code file (source line numbers) is left out.
     """
     parts = [f"torchscript:{getattr(module, 'original_name', type(module).__name__)}"]
     for name, sub in sorted(module.named_modules(), key=lambda kv: kv[0]):
@@ -4188,11 +4191,43 @@ def script_identity(module: Any, path: Path) -> str:
         parts.append(f"{name}\n{code}")
     with zipfile.ZipFile(path) as z:
         for entry in sorted(z.namelist()):
+            inside = entry.partition("/")[2]
             if entry.endswith(("/data.pkl", "/constants.pkl")):
                 parts.append(
                     f"{entry.rsplit('/', 1)[1]}:{hashlib.sha256(z.read(entry)).hexdigest()}"
                 )
+            elif inside.startswith("code/") and inside.endswith(".py"):
+                code = canonical_script_code(z.read(entry).decode("utf-8", "replace"))
+                parts.append(f"{inside}:{hashlib.sha256(code.encode()).hexdigest()}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def canonical_script_code(code: str) -> str:
+    """A TorchScript archive's code file with each class's declarations (the lines before its
+    first method: ``stride : Final[Tuple[int]] = (160,)``) in sorted order: torch writes a
+    module's constants in the order of a set, which differs between processes, so the same
+    module saved by two processes made two keys.
+
+    Example:
+        >>> canonical_script_code("class A(Module):\n  b : int\n  a : int\n  def f(self):\n")
+        'class A(Module):\n  a : int\n  b : int\n  def f(self):\n'
+    """
+    out: list[str] = []
+    header: list[str] = []
+    for line in code.splitlines(keepends=True):
+        if (header and not line.startswith("  ")) or line.startswith("  def "):
+            out.extend(sorted(header))
+            header = []
+        if line.startswith("class "):
+            out.append(line)
+            header = [""]  # a class's declarations follow
+            continue
+        if header:
+            header.append(line)
+        else:
+            out.append(line)
+    out.extend(sorted(header))
+    return "".join(out)
 
 
 # == code_closure ==================================================================================

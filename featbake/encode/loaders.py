@@ -52,8 +52,19 @@ def _load_torchscript(path: Path) -> tuple[Any, str]:
 def _load_export(path: Path) -> tuple[Any, str]:
     program = torch.export.load(str(path))
     module = program.module()
-    identity = "export:" + hashlib.sha256(str(program.graph_module.code).encode()).hexdigest()
-    return module, identity
+    return module, export_identity(program)
+
+
+def export_identity(program: Any) -> str:
+    """The code of an exported program's graph and of every graph nested in it: the branches
+    of ``torch.cond``, the bodies of ``while_loop`` and ``map`` live in submodules of their
+    own (``true_graph_0``), which the top graph's code only calls (a program whose one
+    branch changed from relu to tanh kept its key, and its old features were served)."""
+    digest = hashlib.sha256(str(program.graph_module.code).encode())
+    for name, sub in sorted(program.graph_module.named_modules(), key=lambda kv: kv[0]):
+        if name and isinstance(sub, torch.fx.GraphModule):
+            digest.update(f"\n{name}\n{sub.code}".encode())
+    return "export:" + digest.hexdigest()
 
 
 def _load_pickle(path: Path, trust_pickle: bool) -> tuple[Any, str]:
@@ -97,7 +108,11 @@ def _load_pickle(path: Path, trust_pickle: bool) -> tuple[Any, str]:
     if not isinstance(module, torch.nn.Module):
         raise EncoderLoadError(f"{path} unpickled to {type(module).__name__}, not an nn.Module")
     ident = f"pickle:{type(module).__module__}.{type(module).__qualname__}\n{module!r}"
-    return module, f"{ident}\ncode:{code_identity(module)}\nattrs:{attribute_identity(module)}"
+    ident += f"\ncode:{code_identity(module)}"
+    # The user's own modules the class's module imports (pkg/helpers.py's act), by content,
+    # as for an import path: the pickle names the class, whose code is read where it lies now.
+    ident += f"\nimports:{code_closure_digest(type(module).__module__)}"
+    return module, f"{ident}\nattrs:{attribute_identity(module)}"
 
 
 def _unpickle_reason(e: BaseException) -> str:
