@@ -194,6 +194,7 @@ class Recipe:
         self._check_flags()
         if self.max_seconds is not None and _is_number(self.max_seconds):
             object.__setattr__(self, "max_seconds", float(self.max_seconds))
+        self._check_output()
         if self.source not in SOURCE_KINDS:
             raise ConfigError(
                 f"unknown source kind {self.source!r}; choose one of {', '.join(SOURCE_KINDS)}"
@@ -239,6 +240,23 @@ class Recipe:
             raise ConfigError(
                 f"--max-seconds {seconds!r} keeps no sample at {rate:,} Hz (one sample is "
                 f"{1 / rate:.3g} s); crop to a longer time, or leave it out to keep whole files"
+            )
+
+    def _check_output(self) -> None:
+        """Take a tuple index given as a number (``output=0``) as the CLI gives it (``"0"``):
+        a store built with ``--output 0`` missed every item for a dataset given ``output=0``,
+        saying to run the same build again. Anything else not a name is refused.
+
+        Raises:
+            ConfigError: ``output`` is neither a name, a whole number nor None.
+        """
+        output: object = self.output
+        if isinstance(output, int) and not isinstance(output, bool) and output >= 0:
+            object.__setattr__(self, "output", str(output))
+        elif output is not None and not isinstance(output, str):
+            raise ConfigError(
+                f"output must name one output (a dict key, or a tuple index such as 0), got "
+                f"{output!r}"
             )
 
     def _check_flags(self) -> None:

@@ -61,6 +61,17 @@ def test_equal_values_of_different_types_give_one_fingerprint() -> None:
     assert Recipe(max_seconds=10).max_seconds == 10.0
 
 
+def test_an_output_index_given_as_a_number_is_the_clis_and_other_types_are_refused() -> None:
+    """A store built with ``--output 0`` (a tuple's first output) missed every item for a
+    dataset given ``output=0``, saying ``output='0' in the store, 0 asked`` and to run the same
+    build again; with ``on_miss="encode"`` the encoder "has no output 0". One recipe now."""
+    assert Recipe(output=0).fingerprint() == Recipe(output="0").fingerprint()
+    assert Recipe(output=0).output == "0"
+    for bad in (1.5, True, -1, ["a"]):
+        with pytest.raises(ConfigError, match="output must name one output"):
+            Recipe(output=bad)
+
+
 def test_fingerprint_is_sha256_of_canonical_json() -> None:
     import hashlib
 
