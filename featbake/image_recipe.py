@@ -360,7 +360,7 @@ class ImageRecipe:
         if defaults is not None:  # what the class does with a setting left out, or null
             given = {k: v for k, v in config.items() if v is not None}
             config = defaults.settings() | given
-        square = None if defaults is None else defaults.int_size_is_square
+        square = _int_size_is_square(config, defaults)
         crop = config.get("crop_size") if config.get("do_center_crop", False) else None
         mean, std = config.get("image_mean"), config.get("image_std")
         normalize = bool(config.get("do_normalize", True))
@@ -462,6 +462,19 @@ def _refuse_null_settings(
                 f"processor refuses; give {'them' if len(nulls) > 1 else 'it'} a value, or set "
                 f"{flag} to false"
             )
+
+
+def _int_size_is_square(
+    config: Mapping[str, Any], defaults: ProcessorDefaults | None
+) -> bool | None:
+    """Whether the processor reads an int ``size`` as a square: the config's own
+    ``default_to_square`` where it sets one (transformers reads it from the file: a ViT
+    folder saying false resized to the shortest edge, where featbake made a square), else its
+    class's; None where neither is known."""
+    own = config.get("default_to_square")
+    if isinstance(own, bool):
+        return own
+    return None if defaults is None else defaults.int_size_is_square
 
 
 def _processor_resize(config: Mapping[str, Any], where: str, square: bool | None) -> Resize:

@@ -101,6 +101,10 @@ PARTIAL_CONFIGS = [
     {"do_center_crop": True, "crop_size": None, "size": 36},
     {"rescale_factor": None, "size": 36},
     {"do_normalize": False, "do_rescale": False, "size": 36},
+    # A config's own default_to_square, which transformers reads from the file (featbake took
+    # the class's: a ViT folder saying false made 40x40 pixels where transformers made 40x57).
+    {"size": 40, "default_to_square": False, "do_center_crop": True, "crop_size": 32},
+    {"size": 36, "default_to_square": True},
 ]
 
 
@@ -114,7 +118,8 @@ def test_what_a_processor_config_leaves_out_is_what_transformers_class_gives(
     crop): a CLIP config without ``resample`` was resized bilinear, a BiT one without
     ``do_center_crop`` not cropped. A step that is on with a setting set to null is refused,
     as transformers' processor refuses it (featbake took the class's default: a null
-    ``crop_size`` cropped to 224 x 224)."""
+    ``crop_size`` cropped to 224 x 224). A config's own ``default_to_square`` is read as
+    transformers reads it."""
     transformers = pytest.importorskip("transformers")
     json = pytest.importorskip("json")
     pixels = np.random.default_rng(1).integers(0, 256, (50, 70, 3), dtype=np.uint8)
