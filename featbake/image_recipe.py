@@ -641,6 +641,40 @@ def _check_side(side: int, option: str, text: str) -> None:
         )
 
 
+def image_options(fields: Mapping[str, Any]) -> list[str]:
+    """The `featbake build` options that give the image steps stored as ``fields``
+    (:meth:`ImageRecipe.key_fields`) whatever the encoder's processor says, each step spelled
+    (what :func:`parse_image_options` reads back). Transparency left as saved has no option:
+    it is the folder's processor's own, which a build with its folder gives too.
+
+    Example:
+        >>> image_options(ImageRecipe(crop=Size(128, 96)).key_fields())[:4]
+        ['--resize 256', '--crop 128x96', '--interpolation bilinear', '--antialias']
+    """
+    kind, height, width = fields.get("resize") or ("none", 0, 0)
+    resize = {"shortest_edge": f"{height}", "exact": f"{height}x{width}"}.get(kind, "none")
+    crop = fields.get("crop")
+    out = [
+        f"--resize {resize}",
+        "--crop {}x{}".format(*crop) if crop else "--crop none",
+        f"--interpolation {fields.get('interpolation', Interpolation.BILINEAR.value)}",
+        "--antialias" if fields.get("antialias", True) else "--no-antialias",
+        f"--rescale {fields['rescale']!r}"
+        if fields.get("rescale") is not None
+        else "--rescale none",
+    ]
+    for name in ("mean", "std"):
+        values = fields.get(name)
+        out.append(f"--{name} {','.join(map(repr, values))}" if values else f"--{name} none")
+    out.append(
+        "--image-mode grey" if fields.get("mode") == ColourMode.GREY.value else "--image-mode rgb"
+    )
+    out.append("--exif" if fields.get("exif", True) else "--no-exif")
+    if fields.get("hflip"):
+        out.append("--views hflip")
+    return out
+
+
 def _off(text: str) -> bool:
     return text.strip().lower() == "none"
 

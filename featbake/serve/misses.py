@@ -50,6 +50,7 @@ from featbake.encode.loaders import is_import_path, load_encoder
 from featbake.encode.outputs import encode_batch, refuse_nonfinite, stored_parts
 from featbake.encode.sources import CheckingSource, Source, load_unchanged
 from featbake.errors import CacheMiss, EncoderLoadError, FeatbakeError, SourceError
+from featbake.image_recipe import image_options
 from featbake.keys import feature_key, sha256_hex
 from featbake.recipe import Recipe
 from featbake.serve.cached_encoder import ModuleWatch, shared_watch
@@ -138,7 +139,8 @@ def build_options(recipe: Mapping[str, Any]) -> list[str]:
         out.append(f"{option} {shown}")
     if recipe.get("mono") is False:
         out.append("--no-mono")
-    return out + text_options(recipe.get("text"))
+    image = recipe.get("image")
+    return out + text_options(recipe.get("text")) + (image_options(image) if image else [])
 
 
 def text_options(text: Mapping[str, Any] | None) -> list[str]:
@@ -173,13 +175,17 @@ def miss_message(
     asked: Mapping[str, Any],
     builds: Sequence[StoredBuild],
     column: str | None = None,
+    loading: Sequence[str] = (),
 ) -> str:
     """The CacheMiss text: what is missing, what the store holds instead, and the command
-    (with ``--column`` when the data is a manifest's or table's column)."""
+    (with ``--column`` when the data is a manifest's or table's column, and ``loading``: the
+    options the encoder is loaded with, ``--weights`` and ``--trust-pickle``), which builds
+    what the dataset asks for: a command that left them out failed, or built another recipe
+    and the dataset missed again."""
     head = f"{path} is not in the store {store} for this encoder and recipe"
     same_encoder = [b for b in builds if b.encoder_label == encoder]
     if same_encoder:
-        diffs = recipe_differences(asked, same_encoder[0].recipe)
+        diffs = recipe_differences(flat_recipe(asked), flat_recipe(same_encoder[0].recipe))
         if diffs:
             head += f"; the store built {data} with other options: {'; '.join(diffs)}"
     elif builds:
@@ -187,8 +193,8 @@ def miss_message(
         head += f"; the store built {data} with another encoder ({others}), not {encoder}"
     named = ["--column", column] if column else []
     command = " ".join(
-        ["featbake build --encoder", encoder, "--data", data, *named, "--cache", store,
-         *build_options(asked)]
+        ["featbake build --encoder", encoder, *loading, "--data", data, *named, "--cache",
+         store, *build_options(asked)]
     )  # fmt: skip
     return (
         f"{head}. Run `{command}`, pass the store's options to the dataset, or use on_miss='encode'"
@@ -370,6 +376,11 @@ class LiveEncoder:
     changed: str = ""  # what changed, told where this copy was pickled (what_changed)
     keyed: tuple[tuple[str, str, tuple[str, ...]], ...] = ()  # the hooks' readings keyed
     elsewhere: str = ""  # what this copy's hooks read otherwise than the keys (a spawned worker)
+
+    def loading_options(self) -> list[str]:
+        """The `featbake build` options that load this encoder as the dataset does."""
+        out = [f"--weights {self.weights}"] if self.weights else []
+        return out + (["--trust-pickle"] if self.trust_pickle else [])
 
     def identify(self, encoder: Any, catalog: ServingStore) -> None:
         """Set :attr:`fingerprint` and :attr:`label`, loading the encoder only if it must.
@@ -869,6 +880,7 @@ class Misses:
                 self.recipe.as_dict(),
                 stored_builds(self.live.layout, data),
                 getattr(self.index.inputs, "column", None),  # a manifest's or table's column
+                self.live.loading_options(),
             )
         )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import shlex
 import sys
 import textwrap
 from pathlib import Path
@@ -22,14 +24,19 @@ from featbake.encode.encoders import (
 )
 from featbake.encode.loaders import load_encoder
 from featbake.encode.outputs import split_outputs
-from featbake.encode.sources import AudioSource
-from featbake.errors import ConfigError, EncodeError, EncoderLoadError
+from featbake.encode.sources import AudioSource, source_for
+from featbake.errors import CacheMiss, ConfigError, EncodeError, EncoderLoadError
 from featbake.recipe import Recipe
 from featbake.serve.dataset import CachedFeatureDataset
 from featbake.store.catalog import Catalog
 from featbake.store.features import FeatureReader
 from featbake.store.layout import Layout
-from featbake.testing import MultiOutputEncoder, TinyConvEncoder, write_audio_folder
+from featbake.testing import (
+    MultiOutputEncoder,
+    TinyConvEncoder,
+    save_torchscript,
+    write_audio_folder,
+)
 from tests.conftest import invoke, live_features
 
 ENC_MODULE = textwrap.dedent(
@@ -609,3 +616,78 @@ def test_a_negative_output_length_is_said_not_taken_for_inexact_padding() -> Non
     with pytest.raises(EncodeError, match="negative output length \\(-1\\)") as refused:
         trim_rows(frames, torch.tensor([3, -1]), lambda t: t)
     assert "\n" not in str(refused.value)
+
+
+IMAGE_MODULE = textwrap.dedent(
+    """
+    import torch
+
+    def build():
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(3, 4, 8, 8)
+        return torch.nn.Sequential(conv, torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten())
+    """
+)
+
+
+def _suggested_build(miss: CacheMiss) -> list[str]:
+    """The `featbake build` command a CacheMiss tells the user to run, as its arguments."""
+    command = str(miss).split("Run `", 1)[1].split("`", 1)[0]
+    words = shlex.split(command)
+    assert words[:2] == ["featbake", "build"], command
+    return words[1:]
+
+
+@pytest.mark.parametrize("kind", ["weights", "image"])
+def test_the_build_a_miss_suggests_builds_what_the_dataset_reads(
+    tmp_path: Path, audio_dir: Path, kind: str
+) -> None:
+    """A dataset's CacheMiss names the `featbake build` command to run: it left out
+    `--weights` (the command built the factory's own weights, and the dataset missed again)
+    and the image steps the dataset was given (`crop=128x96`: the command built the default
+    224 crop, and the dataset missed again). Run as printed now, it builds what the dataset
+    reads, served as the encoder gives it now."""
+    from featbake.image_recipe import ImageRecipe, Size
+    from featbake.testing import write_image_folder
+
+    pkg = tmp_path / "pkgs"
+    pkg.mkdir()
+    (pkg / "tiny_enc_mod.py").write_text(ENC_MODULE)
+    (pkg / "tiny_img_mod.py").write_text(IMAGE_MODULE)
+    repo = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": f"{repo}:{pkg}"}
+    cache = tmp_path / "store"
+    if kind == "weights":
+        weights = tmp_path / "w.safetensors"
+        save_file(TinyConvEncoder(seed=7).state_dict(), str(weights))
+        data, spec, recipe, extra = audio_dir, "tiny_enc_mod:build", Recipe(), {"weights": weights}
+    else:
+        data = tmp_path / "images"
+        write_image_folder(data, 3, size=(160, 200))
+        steps = ImageRecipe(crop=Size(128, 96), mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
+        spec, recipe, extra = "tiny_img_mod:build", Recipe(source="image", image=steps), {}
+    sys.path[:0] = [str(pkg)]
+    try:
+
+        def dataset() -> CachedFeatureDataset:
+            return CachedFeatureDataset(
+                data, spec, cache=cache, recipe=recipe, on_miss="error", **extra
+            )
+
+        other = tmp_path / "other"
+        write_audio_folder(other, 2, seconds=0.5, seed=9)
+        build(other, save_torchscript(TinyConvEncoder(), tmp_path / "enc.pt"), cache=cache)
+        ds = dataset()
+        with pytest.raises(CacheMiss) as missed:
+            ds[0]
+        built = invoke(*_suggested_build(missed.value), env=env)
+        assert built.returncode == 0, built.stderr
+        ds = dataset()
+        module = _eager(seed=7) if kind == "weights" else importlib.import_module("tiny_img_mod")
+        module = module.eval() if kind == "weights" else module.build().eval()
+        for i in range(len(ds)):
+            with torch.inference_mode():
+                live = module(source_for(recipe).load(Path(ds.path(i))).unsqueeze(0))[0]
+            torch.testing.assert_close(ds[i], live)
+    finally:
+        sys.path.remove(str(pkg))
