@@ -1032,7 +1032,7 @@ def manifest_records(
             else:
                 yield from table_records(f, "\t" if lower.endswith(".tsv") else ",")
     except FileNotFoundError:
-        raise SourceError(f"manifest {path} does not exist; check --data") from None
+        raise SourceError(f"manifest {path} does not exist") from None
     except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:
         raise SourceError(f"manifest {path} cannot be read ({e})") from None
 
@@ -1400,7 +1400,7 @@ class CutsInputs(RowInputs):
                     except BadRow as e:
                         parsed.skipped.append(SkippedInput(f"{name}:{line}", str(e)))
         except FileNotFoundError:
-            raise SourceError(f"cut manifest {self.origin} does not exist; check --data") from None
+            raise SourceError(f"cut manifest {self.origin} does not exist") from None
         except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:
             raise SourceError(f"cut manifest {self.origin} cannot be read ({e})") from None
         return parsed

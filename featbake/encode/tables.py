@@ -421,7 +421,7 @@ class Table:
         if st is None:
             info = object_head(f.path)
             if info is None:
-                raise SourceError(f"{f.path}: object not found; check --data")
+                raise SourceError(f"{f.path}: object not found")
             st = object_stat(info)
         self.listed[f.path] = st
         f.size, pa = st.size, pyarrow_module()

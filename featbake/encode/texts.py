@@ -117,7 +117,7 @@ class TextRows(RowInputs):
         try:
             self.manifest_stat = FileStat.of(self.origin)
         except FileNotFoundError:
-            raise SourceError(f"manifest {self.origin} does not exist; check --data") from None
+            raise SourceError(f"manifest {self.origin} does not exist") from None
         except OSError as e:
             raise SourceError(f"manifest {self.origin} cannot be read ({e})") from None
         return manifest_records(self.origin, errors="surrogateescape")

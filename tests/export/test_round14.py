@@ -157,6 +157,12 @@ def test_strict_rows_refuses_changed_or_unreadable_files_writing_nothing(
     assert r.returncode == 0 and "its data" not in printed(r), printed(r)
     assert len(zarr.open_group(str(out), mode="r")["paths"][:]) == 3
 
+    # The manifest itself gone: said without "check --data", an option export does not have.
+    (tmp_path / "m.jsonl").unlink()
+    r = invoke("export", tmp_path / "t.zarr", "--cache", store_dir, "--strict-rows")
+    assert r.returncode == 2 and "m.jsonl does not exist" in printed(r), printed(r)
+    assert "--data" not in printed(r) and "drop --strict-rows" in printed(r), printed(r)
+
 
 # == r14.x3: inputs that are not a row's whole file ================================================
 def test_a_folder_root_and_moved_segment_bounds_are_checked_too(
