@@ -220,10 +220,11 @@ def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     one (``self.scales = [torch.tensor(2.0)]``, named ``scales.0``), but derived state its
     forward writes (:func:`derived_attributes`) or torch's weight reparametrising pre-hooks
     write (:func:`reparametrised_attributes`)."""
+    written = script_writes(module)
     return [
         (f"{prefix}.{path}" if prefix else path, tensor)
         for prefix, sub in module.named_modules()
-        for key, value in held_attributes(sub).items()
+        for key, value in held_attributes(sub, written).items()
         if keyed_attribute(key)
         and not derived_state(module_derived(sub), key, value)
         and key not in reparametrised_attributes(sub)
@@ -231,16 +232,47 @@ def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     ]
 
 
-def held_attributes(sub: torch.nn.Module) -> dict[str, Any]:
+def held_attributes(sub: torch.nn.Module, written: frozenset[str] = frozenset()) -> dict[str, Any]:
     """``sub``'s attributes that are neither parameters nor buffers nor submodules: its
     ``__dict__``, and a TorchScript module's scripted attributes (:func:`public_attributes`),
     where a plain tensor attribute lives (``self.gain = torch.full((8,), 2.0)`` scripted: a
-    file saved with another gain kept its key, and its old features were served)."""
+    file saved with another gain kept its key, and its old features were served), but those
+    its scripted code writes (``written``, :func:`script_writes`): state a forward derives
+    (the last output kept, a position table grown to the longest input), which made a new key
+    after every forward, as an eager module's derived state would without
+    :func:`derived_attributes`."""
     attrs = public_attributes(sub)
     if attrs is vars(sub):
         return attrs
     buffers = dict(sub.named_buffers(recurse=False))
-    return {k: v for k, v in attrs.items() if k not in buffers}
+    return {k: v for k, v in attrs.items() if k not in buffers and k not in written}
+
+
+def script_writes(module: torch.nn.Module) -> frozenset[str]:
+    """The names of the attributes any scripted method in ``module``'s tree writes
+    (``prim::SetAttr``, in every block), read once per scripted module (its methods never
+    change); empty for a tree holding no TorchScript."""
+    out: set[str] = set()
+    for sub in module.modules():
+        scripted = vars(sub).get("_c")  # a TorchScript module's compiled object (torch unread)
+        if scripted is not None and hasattr(scripted, "_method_names"):
+            out |= _scripted_writes(sub, scripted)
+    return frozenset(out)
+
+
+def _scripted_writes(sub: Any, scripted: Any) -> frozenset[str]:
+    cached = _SCRIPT_WRITES.get(sub)
+    if cached is None:
+        names = set()
+        for method in scripted._method_names():
+            graph = scripted._get_method(method).graph
+            names |= {node.s("name") for node in graph.findAllNodes("prim::SetAttr", True)}
+        cached = _SCRIPT_WRITES[sub] = frozenset(names)
+    return cached
+
+
+#: What each scripted module's methods write (:func:`script_writes`), while it lives.
+_SCRIPT_WRITES: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
 def public_attributes(module: Any) -> dict[str, Any]:

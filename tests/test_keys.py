@@ -538,6 +538,35 @@ def test_a_scripted_tensor_attribute_changes_the_fingerprint(tmp_path: Path) -> 
     assert [name for name, _ in tensor_attributes(loaded)] == ["gain"]
 
 
+class _KeepsLast(torch.nn.Module):
+    """A forward that keeps its last output in a tensor attribute (derived state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.last = torch.zeros(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.last = h.detach()
+        return h
+
+
+def test_a_tensor_attribute_a_scripted_forward_writes_is_not_keyed(tmp_path: Path) -> None:
+    """What a scripted forward writes (its last output kept, a table grown to the longest
+    input) is derived state, as an eager module's is: keyed, it made a new key after every
+    forward (a dataset given the module encoded everything again after a validation step)."""
+    from featbake.encode.encoders import from_module
+
+    scripted = torch.jit.script(_KeepsLast().eval())
+    before = from_module(scripted).fingerprint
+    scripted(torch.randn(3, 4))
+    assert from_module(scripted).fingerprint == before
+    loaded = load_encoder(save_torchscript(_KeepsLast(), tmp_path / "last.pt"))
+    assert tensor_attributes(loaded.module) == []
+
+
 class _Branching(torch.nn.Module):
     """A ``torch.cond`` whose taken branch applies ``act``."""
 
@@ -610,3 +639,47 @@ def test_a_pickled_modules_helper_in_another_module_changes_the_fingerprint(
         fps.append(enc.fingerprint)
         outs.append(enc.module(x))
     assert not torch.equal(outs[0], outs[1]) and fps[0] != fps[1]
+
+
+def test_an_import_path_returning_a_loaded_script_is_keyed_by_the_functions_it_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A factory returning ``torch.jit.load(path)`` was keyed by its module's repr and its
+    weights: files whose forward called a module-level function doing relu or tanh had one
+    key. Their graphs, every call inlined, are keyed now (the same program saved by another
+    process keeps its key)."""
+    (tmp_path / "loads_script.py").write_text(
+        "import os, torch\n\ndef build():\n    return torch.jit.load(os.environ['SCRIPTED'])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fps = {}
+    for act, seed in (("relu", 1), ("relu", 2), ("tanh", 1)):
+        path = _scripted(tmp_path, f"{act}{seed}.pt", act, "function", seed)
+        monkeypatch.setenv("SCRIPTED", str(path))
+        sys.modules.pop("loads_script", None)
+        fps[act, seed] = load_encoder("loads_script:build").fingerprint
+    assert fps["relu", 1] == fps["relu", 2] != fps["tanh", 1]
+
+
+def test_an_in_process_script_is_keyed_by_the_functions_it_calls(tmp_path: Path) -> None:
+    """A module scripted in the process (``from_module``, ``CachedEncoder``) whose forward
+    calls a module-level function was keyed alike doing relu or tanh (each process scripts
+    its own: TorchScript keeps what it compiled by name)."""
+    maker = tmp_path / "make_scripted.py"
+    maker.write_text(SCRIPTED_HELPERS)
+    script = (
+        "import runpy, sys\n"
+        "sys.argv = ['m', sys.argv[1], sys.argv[2], 'function']\n"
+        "import torch\n"
+        "torch.jit.save = lambda module, path: print(from_module(module).fingerprint)\n"
+        "from featbake.encode.encoders import from_module\n"
+        f"runpy.run_path({str(maker)!r}, run_name='__main__')\n"
+    )
+    got = {
+        act: subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / "x.pt"), act],
+            capture_output=True, text=True, timeout=120, check=True,
+        ).stdout.strip()
+        for act in ("relu", "tanh")
+    }  # fmt: skip
+    assert len(got["relu"]) == 64 and got["relu"] != got["tanh"], got

@@ -3368,9 +3368,25 @@ def module_identity(module: Any) -> str:
     return f"{ident}\nglobals:{hashlib.sha256(read.encode()).hexdigest()}" if read else ident
 
 
+def without_source_ranges(graph: str) -> str:
+    r"""A TorchScript graph's text without the ``# file.py:line:col`` each node ends with (a
+    line moved in the source would change it, never the program).
+
+    Example:
+        >>> without_source_ranges("  %9 : Tensor = aten::relu(%8) # /tmp/m.py:3:11\n")
+        '  %9 : Tensor = aten::relu(%8)\n'
+    """
+    return _SOURCE_RANGE.sub("", graph)
+
+
+#: The source range a TorchScript graph's node is printed with.
+_SOURCE_RANGE = re.compile(r" # [^\n]*:\d+:\d+$", re.MULTILINE)
+
+
 def script_tree_identity(module: Any) -> str:
     """SHA-256 of the TorchScript in an in-process ``module``'s tree: each scripted or traced
-    submodule's methods' code and the tensors their graphs hold as constants
+    submodule's methods' code (and graph with every call inlined: a module-level function a
+    method calls is in no method's code) and the tensors their graphs hold as constants
     (``torch.jit.freeze`` makes its weights constants: it keeps no parameter); ``""`` for a
     tree holding none (its identity
     as it always was). Its class is torch's (``RecursiveScriptModule``), which
@@ -3388,6 +3404,8 @@ def script_tree_identity(module: Any) -> str:
         for method in sorted(sub._c._method_names()):
             compiled = sub._c._get_method(method)
             h.update(f"{name}.{method}\0{compiled.code}\0".encode())
+            # With every call inlined: the functions it calls are in no method's code.
+            h.update(f"{without_source_ranges(str(compiled.inlined_graph))}\0".encode())
             for node in compiled.graph.findAllNodes("prim::Constant", True):
                 if node.output().type().kind() == "TensorType":
                     value = node.t("value").detach().cpu().contiguous()
@@ -4203,7 +4221,7 @@ def script_identity(module: Any, path: Path) -> str:
 
 
 def canonical_script_code(code: str) -> str:
-    """A TorchScript archive's code file with each class's declarations (the lines before its
+    r"""A TorchScript archive's code file with each class's declarations (the lines before its
     first method: ``stride : Final[Tuple[int]] = (160,)``) in sorted order: torch writes a
     module's constants in the order of a set, which differs between processes, so the same
     module saved by two processes made two keys.

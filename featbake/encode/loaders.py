@@ -38,6 +38,7 @@ from featbake.encode.identity import (
     code_closure_digest,
     code_identity,
     script_identity,
+    script_tree_identity,
 )
 from featbake.encode.naming import encoder_not_found, is_import_path
 from featbake.errors import ConfigError, EncoderLoadError, first_line
@@ -178,6 +179,8 @@ def _load_import(spec: str, weights: Path | None) -> tuple[Any, str]:
     if weights is not None:
         _load_weights(module, weights)
     identity = f"import:{spec}\n{module!r}\ncode:{code_identity(module, factory)}"
+    script = script_tree_identity(module)  # a factory returning torch.jit.load(...)'s module
+    identity = f"{identity}\nscript:{script}" if script else identity
     # The user's own modules the factory's module imports (pkg/other.py's helper), by content.
     identity += f"\nimports:{code_closure_digest(mod_name)}"
     return module, f"{identity}\nattrs:{attribute_identity(module)}"
