@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -250,14 +251,19 @@ class Recipe:
         Raises:
             ConfigError: ``output`` is neither a name, a whole number nor None.
         """
-        output: object = self.output
-        if isinstance(output, int) and not isinstance(output, bool) and output >= 0:
-            object.__setattr__(self, "output", str(output))
-        elif output is not None and not isinstance(output, str):
+        output: Any = self.output
+        if output is None or isinstance(output, str):
+            return
+        try:
+            index = -1 if isinstance(output, bool) else operator.index(output)  # numpy's too
+        except TypeError:
+            index = -1
+        if index < 0:
             raise ConfigError(
                 f"output must name one output (a dict key, or a tuple index such as 0), got "
                 f"{output!r}"
             )
+        object.__setattr__(self, "output", str(index))
 
     def _check_flags(self) -> None:
         """``mono`` and ``normalize`` are True or False: ``mono=2`` must not make its own key."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,7 +67,7 @@ def test_an_output_index_given_as_a_number_is_the_clis_and_other_types_are_refus
     dataset given ``output=0``, saying ``output='0' in the store, 0 asked`` and to run the same
     build again; with ``on_miss="encode"`` the encoder "has no output 0". One recipe now."""
     assert Recipe(output=0).fingerprint() == Recipe(output="0").fingerprint()
-    assert Recipe(output=0).output == "0"
+    assert Recipe(output=0).output == "0" and Recipe(output=np.int64(1)).output == "1"
     for bad in (1.5, True, -1, ["a"]):
         with pytest.raises(ConfigError, match="output must name one output"):
             Recipe(output=bad)
