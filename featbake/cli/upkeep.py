@@ -792,7 +792,8 @@ def merge(
         typer.Option(
             "--abandon",
             metavar="ROOT",
-            help="Retire the unfinished builds of root ROOT (repeatable): a build whose part "
+            help="Retire the unfinished builds of root ROOT (its name or a unique prefix; "
+            "repeatable): a build whose part "
             "was killed for good stays pending otherwise, and gc keeps what it sealed. Only "
             "once no part of it runs; its stored features are reused by a rebuild, or freed "
             "by gc once no root names them.",

@@ -233,7 +233,7 @@ def _merged(
     complete = {b: n for b, n in builds.items() if _is_complete(n)}
     waiting = {b: n for b, n in builds.items() if b not in complete}
     if abandon:
-        refuse_unknown_abandoned(layout, abandon)
+        abandon = abandoned_roots(layout, abandon)
     serving = serving_fragments(layout)
     if not builds and not serving:
         if layout.catalog.exists() and Path(f"{layout.catalog}-journal").exists():
@@ -347,22 +347,27 @@ def fold_waiting(
             report.fragments += len(frags)
 
 
-def refuse_unknown_abandoned(layout: Layout, abandon: AbstractSet[str]) -> None:
-    """Refuse to abandon a root that has no unfinished build in ``layout`` (a typo, or a build
-    merged or retired since), before anything is changed.
+def abandoned_roots(layout: Layout, abandon: AbstractSet[str]) -> frozenset[str]:
+    """The roots with an unfinished build in ``layout`` that ``abandon`` names, each by its
+    name or a unique prefix of it (as `featbake roots drop` takes one); a name that names none
+    (a typo, or a build merged or retired since) is refused before anything is changed.
 
     Raises:
         ConfigError: naming the roots whose builds wait, or saying none does.
     """
     waiting = sorted({p.root for p in pending_builds(layout)})
-    unknown = sorted(set(abandon) - set(waiting))
-    if not unknown:
-        return
-    listed = ", ".join(waiting) if waiting else "none"
-    raise ConfigError(
-        f"--abandon {unknown[0]}: no unfinished build of that root is waiting to be merged "
-        f"(roots with one: {listed}); nothing was changed"
-    )
+    out = set()
+    for name in sorted(abandon):
+        found = [r for r in waiting if r == name] or [r for r in waiting if r.startswith(name)]
+        if len(found) != 1:
+            listed = ", ".join(waiting) if waiting else "none"
+            what = "names more than one" if found else "names no"
+            raise ConfigError(
+                f"--abandon {name} {what} root with an unfinished build waiting to be merged "
+                f"(roots with one: {listed}); nothing was changed"
+            )
+        out.add(found[0])
+    return frozenset(out)
 
 
 def fold_newest_first(
