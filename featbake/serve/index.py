@@ -292,6 +292,8 @@ def _index_place(
         rel_paths, keys, hashed = without_undecodable(
             rel_paths, keys, hashed, catalog.undecodable(name), catalog, inputs.where
         )
+    if not keeps_order(inputs):
+        warn_moved(inputs.where, rel_paths, keys, hashed)
     if publish:
         held = {r: manifest[r] for r in kept}
         record_held(catalog, name, inputs, held)  # before the root: never a moment unheld
@@ -299,6 +301,30 @@ def _index_place(
         workdir = recorded_workdir(inputs, root)
         _publish_root(catalog, spec, data_dir, items, name, new=new_root, workdir=workdir)
     return Index(rel_paths, keys, data_dir, catalog, spec, hashed, inputs, name)
+
+
+def warn_moved(
+    where: str, rel_paths: Sequence[str], keys: Sequence[str], hashed: Sequence[FileStat | None]
+) -> None:
+    """Warn once where files gone since the build (served as built) hold the bytes of files
+    present now: renamed or moved, each is served twice an epoch (as the gone file's stored
+    features and as the present one's), which nothing said."""
+    present = {k: r for r, k, h in zip(rel_paths, keys, hashed, strict=True) if h is not None}
+    moved = [
+        (r, present[k])
+        for r, k, h in zip(rel_paths, keys, hashed, strict=True)
+        if h is None and k in present
+    ]
+    if not moved:
+        return
+    shown = "; ".join(f"{gone} (now {now})" for gone, now in moved[:5])
+    more = f" (and {len(moved) - 5} more)" if len(moved) > 5 else ""
+    warnings.warn(
+        f"{len(moved)} file(s) of {where} gone since the build hold the bytes of files there "
+        f"now (renamed or moved?), so each is served twice an epoch: {shown}{more}; run "
+        "`featbake build` again to serve the files there now only",
+        stacklevel=4,
+    )
 
 
 def recorded_workdir(inputs: Inputs, root: Root | None) -> str:

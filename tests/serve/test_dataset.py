@@ -930,3 +930,33 @@ def test_repair_in_a_process_that_dropped_a_dataset_does_not_hang(
     assert run_past_a_marker([str(a) for a in args], "repairing", env) == "repaired"
     again = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir, on_miss="error")
     _assert_close(again[0], live_features(encoder_file, Path(again.path(0))))
+
+
+def test_a_file_renamed_since_the_build_is_said_to_be_served_twice(
+    audio_dir: Path, encoder_file: Path, store_dir: Path
+) -> None:
+    """A file renamed after the build is served under both names (the gone one's features are
+    kept, as for any file gone since the build): each epoch read it twice, and nothing said so.
+    A warning names it; a build again serves the files there now only. A copy (both there) is
+    two items, as it is, without a word."""
+    import warnings
+
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    clips = sorted(audio_dir.rglob("*.wav"))
+    shutil.copy(clips[0], audio_dir / "copy.wav")
+    clips[1].rename(audio_dir / "renamed.wav")
+    with pytest.warns(UserWarning, match=r"1 file\(s\) of .* gone since the build") as said:
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    (line,) = [str(w.message) for w in said if "gone since the build" in str(w.message)]
+    rel = clips[1].relative_to(audio_dir).as_posix()
+    assert f"{rel} (now renamed.wav)" in line and "copy.wav" not in line, line
+    assert len(ds) == len(clips) + 2
+    for i in range(len(ds)):
+        path = Path(ds.path(i))
+        live = live_features(encoder_file, path if path.exists() else audio_dir / "renamed.wav")
+        torch.testing.assert_close(ds[i], live)
+    build(audio_dir, encoder_file, cache=store_dir, workers=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds = CachedFeatureDataset(audio_dir, encoder_file, cache=store_dir)
+    assert len(ds) == len(clips) + 1
