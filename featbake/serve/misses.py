@@ -814,7 +814,8 @@ def decoded_as_hashed(source: Source, path: str, key: str, fps: tuple[str, str])
         raise SourceError(
             f"{path} changed since this dataset was created (its bytes no longer match "
             "the key they were indexed under), so its feature is not stored; create the "
-            "dataset again once the file stops changing"
+            "dataset again once the file stops changing, or pass revalidate=True to serve "
+            "each file as it is when read"
         )
     return source.load(path, io.BytesIO(data))
 
