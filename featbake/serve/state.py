@@ -701,6 +701,16 @@ WORKERS_COUNT_APART = (
 )
 
 
+def folder_state(folder: Path) -> tuple[int, int] | None:
+    """``folder``'s inode and modification time, None while there is none: what changes when a
+    file is moved into it."""
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 class ProcessState:
     """One process's serving state for one dataset.
 
@@ -756,6 +766,8 @@ class ProcessState:
         self.closed = False
         # Per process (made after fork), so workers never copy the parent's pages.
         self.loc: list[Located | None] = [None] * n
+        self.quarantine = writeback.layout.quarantine
+        self.quarantined = folder_state(self.quarantine)
 
     def stats(self) -> ServeStats:
         """This process's counters; in the main process of a dataset DataLoader workers used,
@@ -794,7 +806,13 @@ class ProcessState:
             self.lru.pop(i)
 
     def tick(self) -> None:
-        """Seal an aged write-back, flush last uses when due, expire the shared touch flags."""
+        """Seal an aged write-back, flush last uses when due, expire the shared touch flags,
+        and drop the open shards a repair has quarantined since (one stat of ``quarantine/``:
+        :meth:`ShardHandles.forget_replaced` once it changed)."""
+        now = folder_state(self.quarantine)
+        if now != self.quarantined:
+            self.quarantined = now
+            self.handles.forget_replaced()
         self.writeback.seal_if_due()
         if self.lastuse.due(self.lastuse.clock()):
             self.lastuse.flush()

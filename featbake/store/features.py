@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 from featbake.errors import ShardMissing
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.store.catalog import Catalog, Location
+from featbake.store.files import is_same_file
 from featbake.store.layout import Layout
 from featbake.store.place import RemotePlace, remote_place
 from featbake.store.shard import Leases, ShardReader, VerifyMode
@@ -203,6 +204,20 @@ class ShardHandles(ProcessLocalState):
             reader = self._readers.pop(path, None)
         if reader is not None:
             reader.retire()
+
+    def forget_replaced(self) -> int:
+        """Close and drop the handles of shards whose path no longer holds the file open here
+        (quarantined by ``featbake verify --repair``, or removed); how many. An open file keeps
+        its bytes: a shard damaged in place after its items' first check, then quarantined,
+        was read on from the open handle for the rest of the process (with ``verify="first"``
+        nothing checks those bytes again). Its items are then looked up again, as after gc."""
+        if self.remote is not None:
+            return 0  # a bucket's tier: no repair quarantines there (its evictions: _tend_tier)
+        with self._lock:
+            gone = [p for p, r in self._readers.items() if not is_same_file(p, r.fd)]
+        for path in gone:
+            self.forget(path)
+        return len(gone)
 
     def close(self) -> None:
         """Close every reader, each once no read uses it."""

@@ -113,22 +113,27 @@ def test_a_flipped_byte_is_caught_by_verify_and_by_the_reader(
     assert assert_serves(store_dir, report.root, audio_dir, encoder_file, live) == 16
 
 
-@pytest.mark.parametrize("read", ["item", "batch"])
+@pytest.mark.parametrize(
+    ("read", "check"), [("item", "always"), ("batch", "always"), ("item", "first")]
+)
 def test_a_shard_repaired_under_an_open_dataset_is_looked_up_again_not_refused(
-    encoder_file: Path, audio_dir: Path, store_dir: Path, read: str
+    encoder_file: Path, audio_dir: Path, store_dir: Path, read: str, check: str
 ) -> None:
-    """A dataset checking every read (verify="always") held a shard open when a byte of it
-    was damaged and `featbake verify --repair` quarantined it: every read of its items then
-    failed "... is damaged; run `featbake verify --repair`", the repair just run, naming a
-    path where nothing lies (the open file kept its bytes). Those items are looked up again
-    now: the damaged one, which the repair dropped, is a miss encoded as the encoder gives it
-    now, its salvaged neighbours are served from where the repair put them."""
+    """A dataset held a shard open when a byte of it was damaged and `featbake verify
+    --repair` quarantined it. Checking every read (verify="always"), every read of its items
+    then failed "... is damaged; run `featbake verify --repair`", the repair just run, naming a
+    path where nothing lies (the open file kept its bytes); checking each item's first read
+    (the default), the damaged bytes were served for the rest of the process. Those items are
+    looked up again now (with verify="first" within 256 reads of the repair, when the dataset
+    next looks at `quarantine/`): the damaged one, which the repair dropped, is a miss encoded
+    as the encoder gives it now, its salvaged neighbours are served from where the repair put
+    them."""
     bake(audio_dir, encoder_file, store_dir)
     ds = CachedFeatureDataset(
-        audio_dir, encoder_file, cache=store_dir, verify="always", on_miss="encode"
+        audio_dir, encoder_file, cache=store_dir, verify=check, on_miss="encode"
     )
     for i in range(len(ds)):
-        ds[i]  # every shard opened
+        ds[i]  # every shard opened, every item checked once
     victim = sorted(shard_files(store_dir))[0]
     keys = sorted(_keys_in(victim))
     _flip_data_byte(victim, keys[0])
@@ -136,6 +141,10 @@ def test_a_shard_repaired_under_an_open_dataset_is_looked_up_again_not_refused(
     assert repaired.returncode == 10 and not victim.exists(), repaired.stdout + repaired.stderr
     held = [i for i in range(len(ds)) if ds.key(i) in keys]
     assert len(held) == len(keys) >= 2
+    if check == "first":
+        other = next(i for i in range(len(ds)) if i not in held)
+        for _ in range(256):
+            ds[other]
     got = [ds[i] for i in held] if read == "item" else ds.__getitems__(held)
     for i, features in zip(held, got, strict=True):
         torch.testing.assert_close(features, live_features(encoder_file, Path(ds.path(i))))
