@@ -218,61 +218,89 @@ def tensor_attributes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     (:func:`keyed_attribute`) that is a tensor and no parameter or buffer (those live in
     torch's own dicts, not in ``__dict__``), or a tensor inside a plain list, tuple or dict of
     one (``self.scales = [torch.tensor(2.0)]``, named ``scales.0``), but derived state its
-    forward writes (:func:`derived_attributes`) or torch's weight reparametrising pre-hooks
-    write (:func:`reparametrised_attributes`)."""
-    written = script_writes(module)
+    forward writes (:func:`derived_attributes`; for TorchScript :func:`script_forward_writes`)
+    or torch's weight reparametrising pre-hooks write (:func:`reparametrised_attributes`)."""
+    written = script_forward_writes(module)
     return [
         (f"{prefix}.{path}" if prefix else path, tensor)
         for prefix, sub in module.named_modules()
-        for key, value in held_attributes(sub, written).items()
+        for key, value in held_attributes(sub).items()
         if keyed_attribute(key)
         and not derived_state(module_derived(sub), key, value)
         and key not in reparametrised_attributes(sub)
+        and (f"{prefix}.{key}" if prefix else key) not in written
         for path, tensor in contained_tensors(key, value)
     ]
 
 
-def held_attributes(sub: torch.nn.Module, written: frozenset[str] = frozenset()) -> dict[str, Any]:
+def held_attributes(sub: torch.nn.Module) -> dict[str, Any]:
     """``sub``'s attributes that are neither parameters nor buffers nor submodules: its
     ``__dict__``, and a TorchScript module's scripted attributes (:func:`public_attributes`),
     where a plain tensor attribute lives (``self.gain = torch.full((8,), 2.0)`` scripted: a
-    file saved with another gain kept its key, and its old features were served), but those
-    its scripted code writes (``written``, :func:`script_writes`): state a forward derives
-    (the last output kept, a position table grown to the longest input), which made a new key
-    after every forward, as an eager module's derived state would without
-    :func:`derived_attributes`."""
+    file saved with another gain kept its key, and its old features were served)."""
     attrs = public_attributes(sub)
     if attrs is vars(sub):
         return attrs
     buffers = dict(sub.named_buffers(recurse=False))
-    return {k: v for k, v in attrs.items() if k not in buffers and k not in written}
+    return {k: v for k, v in attrs.items() if k not in buffers}
 
 
-def script_writes(module: torch.nn.Module) -> frozenset[str]:
-    """The names of the attributes any scripted method in ``module``'s tree writes
-    (``prim::SetAttr``, in every block), read once per scripted module (its methods never
-    change); empty for a tree holding no TorchScript."""
+def script_forward_writes(module: torch.nn.Module) -> frozenset[str]:
+    """The dotted paths (from ``module``) of the attributes the forward of each outermost
+    TorchScript module in ``module``'s tree writes, the methods it calls included (its graph
+    with every call inlined: ``prim::SetAttr`` on ``self`` or a submodule reached from it):
+    state a forward derives (the last output kept, a position table grown to the longest
+    input), which made a new key after every forward, as an eager module's derived state would
+    without :func:`derived_attributes`. A method forward never calls (an exported setter) and
+    an attribute of the same name elsewhere stay keyed. Read once per scripted module (its
+    methods never change); empty for a tree holding no TorchScript."""
     out: set[str] = set()
-    for sub in module.modules():
+    inside: list[str] = []  # the outermost scripted modules' paths: theirs hold the rest
+    for prefix, sub in module.named_modules():
         scripted = vars(sub).get("_c")  # a TorchScript module's compiled object (torch unread)
-        if scripted is not None and hasattr(scripted, "_method_names"):
-            out |= _scripted_writes(sub, scripted)
+        if scripted is None or not hasattr(scripted, "_method_names"):
+            continue
+        if any(prefix.startswith(f"{p}.") for p in inside):
+            continue
+        inside.append(prefix)
+        out |= {f"{prefix}.{path}" if prefix else path for path in _forward_writes(sub, scripted)}
     return frozenset(out)
 
 
-def _scripted_writes(sub: Any, scripted: Any) -> frozenset[str]:
-    cached = _SCRIPT_WRITES.get(sub)
+def _forward_writes(sub: Any, scripted: Any) -> frozenset[str]:
+    cached = _FORWARD_WRITES.get(sub)
     if cached is None:
-        names = set()
-        for method in scripted._method_names():
-            graph = scripted._get_method(method).graph
-            names |= {node.s("name") for node in graph.findAllNodes("prim::SetAttr", True)}
-        cached = _SCRIPT_WRITES[sub] = frozenset(names)
+        found: set[str] = set()
+        if "forward" in scripted._method_names():
+            graph = scripted._get_method("forward").inlined_graph
+            paths: dict[int, tuple[str, ...]] = {next(graph.inputs()).unique(): ()}  # self
+            _setattr_paths(graph.nodes(), paths, found)
+        cached = _FORWARD_WRITES[sub] = frozenset(found)
     return cached
 
 
-#: What each scripted module's methods write (:func:`script_writes`), while it lives.
-_SCRIPT_WRITES: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+def _setattr_paths(
+    nodes: Iterable[Any], paths: dict[int, tuple[str, ...]], found: set[str]
+) -> None:
+    """Add to ``found`` the attribute path each ``prim::SetAttr`` among ``nodes`` (and their
+    blocks, in program order) writes, where its target is ``self`` or reached from it by
+    ``prim::GetAttr`` (``paths``: value -> its path from self)."""
+    for node in nodes:
+        kind = node.kind()
+        if kind in ("prim::GetAttr", "prim::SetAttr"):
+            target = paths.get(next(node.inputs()).unique())
+            if target is not None:
+                path = (*target, node.s("name"))
+                if kind == "prim::GetAttr":
+                    paths[node.output().unique()] = path
+                else:
+                    found.add(".".join(path))
+        for block in node.blocks():
+            _setattr_paths(block.nodes(), paths, found)
+
+
+#: What each scripted module's forward writes (:func:`script_forward_writes`), while it lives.
+_FORWARD_WRITES: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
 def public_attributes(module: Any) -> dict[str, Any]:

@@ -567,6 +567,113 @@ def test_a_tensor_attribute_a_scripted_forward_writes_is_not_keyed(tmp_path: Pat
     assert tensor_attributes(loaded.module) == []
 
 
+class _Settable(torch.nn.Module):
+    """A gain its forward reads and an exported setter writes (forward never calls it)."""
+
+    def __init__(self, gain: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.gain = torch.full((4,), gain)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.gain
+
+    @torch.jit.export
+    def set_gain(self, gain: float) -> None:
+        self.gain = torch.full((4,), gain)
+
+
+class _Scratch(torch.nn.Module):
+    """A forward keeping a scratch tensor under a name another submodule keys (``gain``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = torch.zeros(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.gain = x.mean(0)
+        return x
+
+
+class _GainThenScratch(torch.nn.Module):
+    def __init__(self, gain: float) -> None:
+        super().__init__()
+        self.a = _Settable(gain)
+        self.b = _Scratch()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_only_what_a_scripted_forward_writes_is_left_out_of_its_key(tmp_path: Path) -> None:
+    """What a scripted forward writes is derived state; what a method it never calls writes
+    (an exported setter) is a setting, and the same name elsewhere in the tree (a scratch
+    tensor of another submodule's forward) is another attribute. Leaving out every name any
+    method wrote made files of gain 2 and 3 one key, and a module's key the same after
+    ``set_gain(3.0)``: the gain-2 features were served for the gain-3 model."""
+    from featbake.encode.encoders import from_module
+
+    x = torch.randn(2, 4)
+    for make in (_Settable, _GainThenScratch):
+        fps = {
+            load_encoder(save_torchscript(make(gain), tmp_path / f"{gain}.pt")).fingerprint
+            for gain in (2.0, 3.0)
+        }
+        assert len(fps) == 2, make
+    scripted = torch.jit.script(_Settable(2.0).eval())
+    before, out = from_module(scripted).fingerprint, scripted(x)
+    scripted.set_gain(3.0)
+    assert not torch.allclose(scripted(x), out)
+    assert from_module(scripted).fingerprint != before
+    assert [name for name, _ in tensor_attributes(torch.jit.script(_GainThenScratch(2.0)))] == [
+        "a.gain"
+    ]
+
+
+KEYED_ELSEWHERE = """
+import sys, torch
+from featbake.encode.encoders import from_module
+
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+mode, before, batch, grad = sys.argv[1:]
+x = torch.randn(int(batch), 4, requires_grad=grad == "grad")
+if before != "none":  # another Linear compiled first: the process's mangled names move on
+    torch.jit.script(torch.nn.Linear(4, 2))
+enc = torch.jit.trace(M().eval(), x) if mode == "trace" else torch.jit.script(M().eval())
+print(from_module(enc).fingerprint)
+"""
+
+
+@pytest.mark.parametrize("mode", ["script", "trace"])
+def test_an_in_process_script_keeps_its_key_whatever_the_process_compiled_before(
+    tmp_path: Path, mode: str
+) -> None:
+    """The graph an in-process TorchScript module is keyed by names types as TorchScript
+    numbered them in this process (``___torch_mangle_5``) and, traced, holds the example
+    input's shape and grad mode: the same module scripted after another Linear, or traced on
+    another batch, made another key, and a process encoded everything again."""
+    maker = tmp_path / "keyed.py"
+    maker.write_text(KEYED_ELSEWHERE)
+    runs = [("none", "2", "nograd"), ("other", "2", "nograd"), ("none", "3", "grad")]
+    fps = {
+        subprocess.run(
+            [sys.executable, maker, mode, *run], capture_output=True, text=True, timeout=120,
+            check=True,
+        ).stdout.strip()
+        for run in runs
+    }  # fmt: skip
+    assert len(fps) == 1 and len(next(iter(fps))) == 64, fps
+
+
 class _Branching(torch.nn.Module):
     """A ``torch.cond`` whose taken branch applies ``act``."""
 

@@ -3368,19 +3368,35 @@ def module_identity(module: Any) -> str:
     return f"{ident}\nglobals:{hashlib.sha256(read.encode()).hexdigest()}" if read else ident
 
 
-def without_source_ranges(graph: str) -> str:
-    r"""A TorchScript graph's text without the ``# file.py:line:col`` each node ends with (a
-    line moved in the source would change it, never the program).
+def canonical_graph(graph: str) -> str:
+    r"""A TorchScript graph's text as the program it is, whatever else the process compiled:
+    without the ``# file.py:line:col`` each node ends with (a line moved in the source),
+    TorchScript's ``___torch_mangle_N.`` in type names (numbered by what the process scripted
+    before: the same module scripted after another made another key) and a traced graph's
+    tensor types (``Float(2, 4, strides=[4, 1], requires_grad=0, device=cpu)``: the example
+    input's shape, its grad mode, the device), each read as ``Tensor``.
 
     Example:
-        >>> without_source_ranges("  %9 : Tensor = aten::relu(%8) # /tmp/m.py:3:11\n")
-        '  %9 : Tensor = aten::relu(%8)\n'
+        >>> canonical_graph(
+        ...     "  %9 : Float(2, 4, strides=[4, 1], device=cpu) = aten::relu(%8) # /m.py:3:1\n"
+        ...     "  %l : __torch__.___torch_mangle_5.M = prim::GetAttr[name=\"l\"](%self)\n"
+        ... )
+        '  %9 : Tensor = aten::relu(%8)\n  %l : __torch__.M = prim::GetAttr[name="l"](%self)\n'
     """
-    return _SOURCE_RANGE.sub("", graph)
+    graph = _SOURCE_RANGE.sub("", graph)
+    graph = _MANGLE.sub("", graph)
+    return _TENSOR_TYPE.sub("Tensor", graph)
 
 
 #: The source range a TorchScript graph's node is printed with.
 _SOURCE_RANGE = re.compile(r" # [^\n]*:\d+:\d+$", re.MULTILINE)
+#: TorchScript's numbering of a type compiled again under a name already taken.
+_MANGLE = re.compile(r"___torch_mangle_\d+\.")
+#: A tensor type with its dtype, sizes, strides, grad mode or device (a traced graph's).
+_TENSOR_TYPE = re.compile(
+    r"(?<!::)\b(?:Float|Double|Half|BFloat16|Long|Int|Short|Char|Byte|Bool|UInt\d+|Int\d+"
+    r"|Complex\w+|Float8_\w+|QInt\w+|QUInt\w+)\([^()\n]*\)"
+)
 
 
 def script_tree_identity(module: Any) -> str:
@@ -3405,7 +3421,7 @@ def script_tree_identity(module: Any) -> str:
             compiled = sub._c._get_method(method)
             h.update(f"{name}.{method}\0{compiled.code}\0".encode())
             # With every call inlined: the functions it calls are in no method's code.
-            h.update(f"{without_source_ranges(str(compiled.inlined_graph))}\0".encode())
+            h.update(f"{canonical_graph(str(compiled.inlined_graph))}\0".encode())
             for node in compiled.graph.findAllNodes("prim::Constant", True):
                 if node.output().type().kind() == "TensorType":
                     value = node.t("value").detach().cpu().contiguous()
