@@ -356,12 +356,20 @@ def abandoned_roots(layout: Layout, abandon: AbstractSet[str]) -> frozenset[str]
         ConfigError: naming the roots whose builds wait, or saying none does.
     """
     waiting = sorted({p.root for p in pending_builds(layout)})
+    known = set(waiting)
+    if layout.catalog.exists():  # a prefix names one root among all, not only the waiting
+        with Catalog(layout) as catalog:
+            known |= {r.name for r in catalog.roots()}
     out = set()
     for name in sorted(abandon):
-        found = [r for r in waiting if r == name] or [r for r in waiting if r.startswith(name)]
-        if len(found) != 1:
+        if name in waiting:
+            out.add(name)
+            continue
+        long_enough = len(name.removeprefix("r-")) >= 2  # "", "r", "r-": every root's prefix
+        found = [r for r in known if r.startswith(name)] if long_enough else []
+        if len(found) != 1 or found[0] not in waiting:
             listed = ", ".join(waiting) if waiting else "none"
-            what = "names more than one" if found else "names no"
+            what = "names more than one" if len(found) > 1 else "names no"
             raise ConfigError(
                 f"--abandon {name} {what} root with an unfinished build waiting to be merged "
                 f"(roots with one: {listed}); nothing was changed"

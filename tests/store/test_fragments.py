@@ -1088,9 +1088,10 @@ def test_an_abandoned_build_is_retired_and_what_it_stored_is_reused_then_freed(
     listed = invoke("roots", "--cache", store)
     assert f"`featbake merge --abandon {pending.root}` if a part was killed" in listed.stdout
 
-    typo = invoke("merge", "--cache", store, "--abandon", "r-nosuchroot")
-    assert typo.returncode == 2 and len(typo.stderr.strip().splitlines()) == 1, typo.stderr
-    assert "names no root with an unfinished build" in typo.stderr, typo.stderr
+    for typo_name in ("r-nosuchroot", "r", "r-"):  # every root's prefix names none
+        typo = invoke("merge", "--cache", store, "--abandon", typo_name)
+        assert typo.returncode == 2 and len(typo.stderr.strip().splitlines()) == 1, typo.stderr
+        assert "names no root with an unfinished build" in typo.stderr, typo.stderr
     assert pending.root in typo.stderr and pending_builds(layout) == [pending]  # nothing changed
 
     got = invoke("merge", "--cache", store, "--abandon", pending.root[:8])  # a prefix, as roots
