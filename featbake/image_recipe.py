@@ -301,6 +301,8 @@ class ImageRecipe:
             value = getattr(self, name)
             if value is not None:
                 set_(self, name, tuple(float(v) for v in value))
+        if self.rescale is not None:  # 1 and 1.0 one key, as the command line gives 1.0
+            set_(self, "rescale", float(self.rescale))
         self._check()
 
     def _check(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import shlex
 import sqlite3
 import warnings
 from collections.abc import Mapping, Sequence
@@ -192,12 +193,21 @@ def miss_message(
         others = ", ".join(sorted({b.encoder_label for b in builds}))
         head += f"; the store built {data} with another encoder ({others}), not {encoder}"
     named = ["--column", column] if column else []
-    command = " ".join(
-        ["featbake build --encoder", encoder, *loading, "--data", data, *named, "--cache",
-         store, *build_options(asked)]
+    options = [opt for option in build_options(asked) for opt in option.split(" ", 1)]
+    command = shlex.join(
+        ["featbake", "build", "--encoder", encoder, *loading, "--data", data, *named, "--cache",
+         store, *options]
     )  # fmt: skip
+    image = asked.get("image")
+    alternative = ""
+    if isinstance(image, Mapping) and image.get("composite") is False:  # no option gives it
+        alternative = (
+            " (where the encoder's processor composites transparency, which this recipe leaves "
+            "as saved: `featbake.build(..., recipe=dataset.recipe)`)"
+        )
     return (
-        f"{head}. Run `{command}`, pass the store's options to the dataset, or use on_miss='encode'"
+        f"{head}. Run `{command}`{alternative}, pass the store's options to the dataset, or use "
+        "on_miss='encode'"
     )
 
 
@@ -378,8 +388,8 @@ class LiveEncoder:
     elsewhere: str = ""  # what this copy's hooks read otherwise than the keys (a spawned worker)
 
     def loading_options(self) -> list[str]:
-        """The `featbake build` options that load this encoder as the dataset does."""
-        out = [f"--weights {self.weights}"] if self.weights else []
+        """The `featbake build` arguments that load this encoder as the dataset does."""
+        out = ["--weights", os.path.abspath(self.weights)] if self.weights else []
         return out + (["--trust-pickle"] if self.trust_pickle else [])
 
     def identify(self, encoder: Any, catalog: ServingStore) -> None:

@@ -658,13 +658,16 @@ def test_the_build_a_miss_suggests_builds_what_the_dataset_reads(
     env = {"PYTHONPATH": f"{repo}:{pkg}"}
     cache = tmp_path / "store"
     if kind == "weights":
-        weights = tmp_path / "w.safetensors"
+        weights = tmp_path / "my weights" / "w.safetensors"  # a space: the command quotes it
+        weights.parent.mkdir()
         save_file(TinyConvEncoder(seed=7).state_dict(), str(weights))
         data, spec, recipe, extra = audio_dir, "tiny_enc_mod:build", Recipe(), {"weights": weights}
     else:
         data = tmp_path / "images"
         write_image_folder(data, 3, size=(160, 200))
-        steps = ImageRecipe(crop=Size(128, 96), mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
+        steps = ImageRecipe(  # rescale 1, an int: the command line's 1.0 is the same key
+            crop=Size(128, 96), rescale=1, mean=(127.5,) * 3, std=(64.0,) * 3
+        )
         spec, recipe, extra = "tiny_img_mod:build", Recipe(source="image", image=steps), {}
     sys.path[:0] = [str(pkg)]
     try:
