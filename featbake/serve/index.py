@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -303,6 +303,18 @@ def _index_place(
     return Index(rel_paths, keys, data_dir, catalog, spec, hashed, inputs, name)
 
 
+def first_few(named: Iterable[str], count: int) -> str:
+    """Up to five of ``count`` things a warning names (``named``: the first five), and how
+    many more there are.
+
+    Example:
+        >>> first_few(["a", "b", "c", "d", "e"], 7)
+        'a; b; c; d; e (and 2 more)'
+    """
+    shown = "; ".join(named)
+    return f"{shown} (and {count - 5} more)" if count > 5 else shown
+
+
 def warn_moved(
     where: str, rel_paths: Sequence[str], keys: Sequence[str], hashed: Sequence[FileStat | None]
 ) -> None:
@@ -317,11 +329,10 @@ def warn_moved(
     ]
     if not moved:
         return
-    shown = "; ".join(f"{gone} (now {now})" for gone, now in moved[:5])
-    more = f" (and {len(moved) - 5} more)" if len(moved) > 5 else ""
+    shown = first_few((f"{gone} (now {now})" for gone, now in moved[:5]), len(moved))
     warnings.warn(
         f"{len(moved)} file(s) of {where} gone since the build hold the bytes of files there "
-        f"now (renamed or moved?), so each is served twice an epoch: {shown}{more}; run "
+        f"now (renamed or moved?), so each is served twice an epoch: {shown}; run "
         "`featbake build` again to serve the files there now only",
         stacklevel=4,
     )
@@ -479,14 +490,13 @@ def held_back(
     if not out:
         return set()
     named = inputs.cell_path if isinstance(inputs, Table) else (lambda rel: None)
-    shown = "; ".join(f"{rel} names {named(rel)!r}" for rel in out[:5])
-    more = f" (and {len(out) - 5} more)" if len(out) > 5 else ""
+    shown = first_few((f"{rel} names {named(rel)!r}" for rel in out[:5]), len(out))
     workdir = workdir_of(inputs)
     here = f" (relative to {workdir}, the build's working directory)" if workdir else ""
     warnings.warn(
         f"{len(out)} row(s) of {inputs.where} name clips not found, and their table file "
         f"changed since the build, so whether they are the clips built cannot be told: their "
-        f"stored features are kept, not served: {shown}{more}; to serve them, restore the "
+        f"stored features are kept, not served: {shown}; to serve them, restore the "
         f"clips they name{here} or undo the edit; `featbake build` drops them",
         stacklevel=4,
     )
@@ -564,12 +574,12 @@ def _without_bad_rows(
     not (a missing file, a segment past the end of its recording): the dataset serves the
     manifest's good rows in order, as the build stored them, rather than none."""
     bad = [i for i, k in enumerate(keys) if not k]
-    shown = "; ".join(f"{rel_paths[i]}: {failed.get(inputs.path(rel_paths[i]))}" for i in bad[:5])
-    more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+    reasons = (f"{rel_paths[i]}: {failed.get(inputs.path(rel_paths[i]))}" for i in bad[:5])
+    shown = first_few(reasons, len(bad))
     warnings.warn(
         f"{len(bad)} row(s) of {inputs.where} cannot be read as they are now and have no "
         "stored features of their input, so they "
-        f"are not items of this dataset: {shown}{more}; fix the rows to include them",
+        f"are not items of this dataset: {shown}; fix the rows to include them",
         stacklevel=4,
     )
     good = [i for i, k in enumerate(keys) if k]
@@ -597,11 +607,10 @@ def without_undecodable(
     out = [i for i, k in enumerate(keys) if k in left_out]
     if not out:
         return rel_paths, keys, hashed
-    shown = "; ".join(f"{rel_paths[i]} ({failed[keys[i]]})" for i in out[:5])
-    more = f" (and {len(out) - 5} more)" if len(out) > 5 else ""
+    shown = first_few((f"{rel_paths[i]} ({failed[keys[i]]})" for i in out[:5]), len(out))
     warnings.warn(
         f"{len(out)} input(s) of {where} could not be decoded or encoded when `featbake build` "
-        f"ran, so they are not items of this dataset: {shown}{more}; fix or replace them and run "
+        f"ran, so they are not items of this dataset: {shown}; fix or replace them and run "
         "`featbake build` again to include them",
         stacklevel=4,
     )
@@ -653,11 +662,10 @@ def _publish_root(
 def raise_unreadable(bad: Sequence[str], failed: Mapping[str, str]) -> None:
     """Raise a SourceError naming (up to five of) ``bad``, inputs neither readable nor stored."""
     if bad:
-        shown = "; ".join(f"{p}: {failed.get(p, 'unreadable')}" for p in bad[:5])
-        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        shown = first_few((f"{p}: {failed.get(p, 'unreadable')}" for p in bad[:5]), len(bad))
         raise SourceError(
             f"{len(bad)} input(s) cannot be read as they are now and have no stored features "
-            f"of their input: {shown}{more}; "
+            f"of their input: {shown}; "
             "fix or remove them, or run `featbake build` to see every failure"
         )
 
