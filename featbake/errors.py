@@ -24,6 +24,8 @@ Exit codes:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class FeatbakeError(Exception):
     """Base of every error featbake raises on purpose."""
@@ -179,3 +181,15 @@ def last_line(e: BaseException) -> str:
     last line holds the cause (a decoder's, after its own context lines)."""
     text = str(e).strip().splitlines()
     return text[-1].strip() if text else type(e).__name__
+
+
+def first_few(named: Iterable[str], count: int) -> str:
+    """Up to five of ``count`` things a message names (``named``: the first five), and how
+    many more there are: a message stays one line however many there are.
+
+    Example:
+        >>> first_few(["a", "b", "c", "d", "e"], 7)
+        'a; b; c; d; e (and 2 more)'
+    """
+    shown = "; ".join(named)
+    return f"{shown} (and {count - 5} more)" if count > 5 else shown

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, runtime_c
 
 import numpy as np
 
-from featbake.errors import ConfigError, SourceError, last_line
+from featbake.errors import ConfigError, SourceError, first_few, last_line
 from featbake.process import ProcessLocal, ProcessLocalState
 from featbake.recipe import Recipe, TextRecipe
 from featbake.store.byteplace import bytes_at, not_an_input, printable
@@ -636,10 +636,9 @@ def check_input_files(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
         raise SourceError("the list of input files is empty")
     bad = [(p, why) for p in expanded if (why := not_an_input(p, p)) is not None]
     if bad:
-        shown = "; ".join(f"{printable(p)}: {why}" for p, why in bad[:5])
-        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        shown = first_few((f"{printable(p)}: {why}" for p, why in bad[:5]), len(bad))
         raise SourceError(
-            f"{len(bad)} of the {len(expanded)} input files cannot be inputs: {shown}{more}; "
+            f"{len(bad)} of the {len(expanded)} input files cannot be inputs: {shown}; "
             "remove them from the list (only regular files are read)"
         )
     return expanded

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -44,7 +44,7 @@ from featbake.encode.manifests import RowInputs
 from featbake.encode.sources import check_input_files
 from featbake.encode.tables import Table
 from featbake.encode.webdataset import WebDataset
-from featbake.errors import SourceError
+from featbake.errors import SourceError, first_few
 from featbake.keys import feature_key, root_id, sha256_hex
 from featbake.store.catalog import ServingStore
 from featbake.store.containers import split_item_path
@@ -301,18 +301,6 @@ def _index_place(
         workdir = recorded_workdir(inputs, root)
         _publish_root(catalog, spec, data_dir, items, name, new=new_root, workdir=workdir)
     return Index(rel_paths, keys, data_dir, catalog, spec, hashed, inputs, name)
-
-
-def first_few(named: Iterable[str], count: int) -> str:
-    """Up to five of ``count`` things a warning names (``named``: the first five), and how
-    many more there are.
-
-    Example:
-        >>> first_few(["a", "b", "c", "d", "e"], 7)
-        'a; b; c; d; e (and 2 more)'
-    """
-    shown = "; ".join(named)
-    return f"{shown} (and {count - 5} more)" if count > 5 else shown
 
 
 def warn_moved(
