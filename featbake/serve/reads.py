@@ -49,7 +49,7 @@ from featbake.store.features import relocated
 from featbake.store.fidelity import SERVED, recorded_serve_dtype
 from featbake.store.layout import Layout
 from featbake.store.open import place_of
-from featbake.store.place import damaged_shard, remote_place
+from featbake.store.place import damaged_shard
 from featbake.store.shard import (
     ST_TO_DTYPE,
     Leases,
@@ -587,14 +587,6 @@ class Reads:
         self.served = served  # how items are served: their rows' scales checked when read
         self._paths: list[Path] = []
 
-    def moved_away(self, sid: int) -> bool:
-        """Whether shard ``sid``, found damaged by a reader opened before, is no longer at its
-        path in a directory store: `featbake verify --repair` quarantined it (or gc removed it)
-        since. Its items are then looked up again (a miss where the repair dropped them), not
-        refused with the repair's own advice. (A bucket's tier keeps no file for ranged
-        reads: there the damage stands.)"""
-        return remote_place(self.layout) is None and not self.shard_path(sid).exists()
-
     def shard_path(self, sid: int) -> Path:
         paths = self._paths
         names = self.index.shard_names
@@ -673,9 +665,10 @@ class Reads:
         except (ShardMissing, ShardDamaged) as e:
             # gc compacted or dropped the shard after the index was built, or `verify --repair`
             # quarantined it while this process held it open: look it up again.
-            if isinstance(e, ShardDamaged) and not self.moved_away(sid):
+            path = self.shard_path(sid)
+            if isinstance(e, ShardDamaged) and not st.handles.forget_if_replaced(path):
                 raise
-            st.handles.forget(self.shard_path(sid))
+            st.handles.forget(path)
             value, served = self.relocate(st, i), False
             if value is None:
                 return None
@@ -1031,7 +1024,7 @@ class Reads:
         try:
             scales = read_rows(read, padded.nbytes, span_of, packed)
         except ShardDamaged:
-            if any(self.moved_away(r.sid) for r in read):
+            if any([st.handles.forget_if_replaced(r.path) for r in read]):
                 return None  # quarantined meanwhile: the general path looks each item up
             raise
         if served is not None and packed is not None:

@@ -211,13 +211,24 @@ class ShardHandles(ProcessLocalState):
         its bytes: a shard damaged in place after its items' first check, then quarantined,
         was read on from the open handle for the rest of the process (with ``verify="first"``
         nothing checks those bytes again). Its items are then looked up again, as after gc."""
-        if self.remote is not None:
-            return 0  # a bucket's tier: no repair quarantines there (its evictions: _tend_tier)
         with self._lock:
-            gone = [p for p, r in self._readers.items() if not is_same_file(p, r.fd)]
-        for path in gone:
+            paths = list(self._readers)
+        return sum(self.forget_if_replaced(path) for path in paths)
+
+    def forget_if_replaced(self, path: Path) -> bool:
+        """Whether ``path`` no longer holds the shard file open here (or, none open, holds
+        nothing), its handle then closed and dropped: a read that found it damaged, or a
+        repair's quarantine, looks its items up again rather than refusing them with the
+        repair's own advice. Never on a bucket's tier: no repair quarantines there, and a
+        shard read by ranges has no file (its evictions: :meth:`_tend_tier`)."""
+        if self.remote is not None:
+            return False
+        with self._lock:
+            reader = self._readers.get(path)
+        replaced = not path.exists() if reader is None else not is_same_file(path, reader.fd)
+        if replaced:
             self.forget(path)
-        return len(gone)
+        return replaced
 
     def close(self) -> None:
         """Close every reader, each once no read uses it."""
