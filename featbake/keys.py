@@ -255,16 +255,23 @@ def script_forward_writes(module: torch.nn.Module) -> frozenset[str]:
     an attribute of the same name elsewhere stay keyed. Read once per scripted module (its
     methods never change); empty for a tree holding no TorchScript."""
     out: set[str] = set()
-    inside: list[str] = []  # the outermost scripted modules' paths: theirs hold the rest
+    for prefix, sub, scripted in outermost_scripts(module):
+        out |= {f"{prefix}.{path}" if prefix else path for path in _forward_writes(sub, scripted)}
+    return frozenset(out)
+
+
+def outermost_scripts(module: torch.nn.Module) -> list[tuple[str, Any, Any]]:
+    """``(path, submodule, its compiled object)`` of each TorchScript module in ``module``'s
+    tree that no other TorchScript module holds: its methods' graphs, every call inlined,
+    hold those of the TorchScript modules inside it."""
+    out: list[tuple[str, Any, Any]] = []
     for prefix, sub in module.named_modules():
         scripted = vars(sub).get("_c")  # a TorchScript module's compiled object (torch unread)
         if scripted is None or not hasattr(scripted, "_method_names"):
             continue
-        if any(prefix.startswith(f"{p}.") for p in inside):
-            continue
-        inside.append(prefix)
-        out |= {f"{prefix}.{path}" if prefix else path for path in _forward_writes(sub, scripted)}
-    return frozenset(out)
+        if not any(prefix.startswith(f"{p}.") or not p for p, _, _ in out):
+            out.append((prefix, sub, scripted))
+    return out
 
 
 def _forward_writes(sub: Any, scripted: Any) -> frozenset[str]:

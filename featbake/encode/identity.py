@@ -54,6 +54,7 @@ from featbake.keys import (
     method_function,
     module_derived,
     module_fingerprint,
+    outermost_scripts,
     public_attributes,
     reached_code,
     reads_training,
@@ -3401,8 +3402,9 @@ _TENSOR_TYPE = re.compile(
 
 def script_tree_identity(module: Any) -> str:
     """SHA-256 of the TorchScript in an in-process ``module``'s tree: each scripted or traced
-    submodule's methods' code (and graph with every call inlined: a module-level function a
-    method calls is in no method's code) and the tensors their graphs hold as constants
+    submodule's methods' code (and, for the outermost ones, their graphs with every call
+    inlined, which hold those of the modules inside: a module-level function a method calls
+    is in no method's code) and the tensors their graphs hold as constants
     (``torch.jit.freeze`` makes its weights constants: it keeps no parameter); ``""`` for a
     tree holding none (its identity
     as it always was). Its class is torch's (``RecursiveScriptModule``), which
@@ -3413,6 +3415,7 @@ def script_tree_identity(module: Any) -> str:
         return ""
     h = hashlib.sha256()
     found = False
+    outermost = {name for name, _, _ in outermost_scripts(module)}
     for name, sub in module.named_modules():
         if not isinstance(sub, torch.jit.ScriptModule):
             continue
@@ -3420,8 +3423,8 @@ def script_tree_identity(module: Any) -> str:
         for method in sorted(sub._c._method_names()):
             compiled = sub._c._get_method(method)
             h.update(f"{name}.{method}\0{compiled.code}\0".encode())
-            # With every call inlined: the functions it calls are in no method's code.
-            h.update(f"{canonical_graph(str(compiled.inlined_graph))}\0".encode())
+            if name in outermost:  # every call inlined: also the functions no method's code is
+                h.update(f"{canonical_graph(str(compiled.inlined_graph))}\0".encode())
             for node in compiled.graph.findAllNodes("prim::Constant", True):
                 if node.output().type().kind() == "TensorType":
                     value = node.t("value").detach().cpu().contiguous()
