@@ -67,7 +67,7 @@ from featbake.store.fragments import (
 from featbake.store.hash_cache import HashCacheRow
 from featbake.store.layout import Layout
 from featbake.store.locks import alone
-from featbake.store.roots import read_undecodable, write_undecodable
+from featbake.store.roots import read_undecodable, roots_named, write_undecodable
 
 
 @dataclass(frozen=True)
@@ -362,11 +362,7 @@ def abandoned_roots(layout: Layout, abandon: AbstractSet[str]) -> frozenset[str]
             known |= {r.name for r in catalog.roots()}
     out = set()
     for name in sorted(abandon):
-        if name in waiting:
-            out.add(name)
-            continue
-        long_enough = len(name.removeprefix("r-")) >= 2  # "", "r", "r-": every root's prefix
-        found = [r for r in known if r.startswith(name)] if long_enough else []
+        found = roots_named(name, sorted(known)) or []
         if len(found) != 1 or found[0] not in waiting:
             listed = ", ".join(waiting) if waiting else "none"
             what = "names more than one" if len(found) > 1 else "names no"

@@ -42,7 +42,7 @@ from featbake.store.place import (
     removed_leftover,
     unnamed_past,
 )
-from featbake.store.roots import Root
+from featbake.store.roots import Root, roots_named
 from featbake.store.url import BucketURL, is_url
 from featbake.units import parse_bytes
 
@@ -452,13 +452,13 @@ def resolve_root(catalog: Catalog, name: str) -> Root:
         ConfigError: no root, or several, match; a prefix too short to name one.
     """
     roots = catalog.roots()
-    exact = [r for r in roots if r.name == name]
-    if not exact and len(name.removeprefix("r-")) < 2:  # "", "r", "r-": every root's prefix
+    named = roots_named(name, (r.name for r in roots))
+    if named is None:
         raise ConfigError(
             f"{name!r} is too short a prefix to name a root: give its name, or at least two "
             "characters past `r-` (`featbake roots` lists them)"
         )
-    matches = exact or [r for r in roots if r.name.startswith(name)]
+    matches = [r for r in roots if r.name in named]
     if len(matches) == 1:
         return matches[0]
     names = ", ".join(r.name for r in roots) or "none"

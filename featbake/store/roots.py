@@ -194,6 +194,22 @@ def roots_dir(layout: Layout) -> Path:
     return folder
 
 
+def roots_named(name: str, names: Iterable[str]) -> list[str] | None:
+    """The roots among ``names`` that ``name`` names: itself, else each it is a prefix of;
+    None where it is a prefix too short to name one ("", "r", "r-": every root's).
+
+    Example:
+        >>> roots_named("r-3f", ["r-3f1c", "r-9a00"]), roots_named("r-", ["r-3f1c"])
+        (['r-3f1c'], None)
+    """
+    names = list(names)
+    if name in names:
+        return [name]
+    if len(name.removeprefix("r-")) < 2:
+        return None
+    return [n for n in names if n.startswith(name)]
+
+
 def root_file(layout: Layout, name: str) -> Path:
     return roots_dir(layout) / f"{checked_root_name(name)}.json"
 
